@@ -1,0 +1,47 @@
+"""policies: decide which modules get sharded, checkpointed, offloaded, and why.
+
+Rules select modules (`by_class`, `by_name`, `by_size`, `every_nth`, `marked`,
+`no_split_modules`, `repeated_blocks`, combined with ``|``, ``&``, ``-``); a `Policy` maps
+actions to rules; `make_plan` turns (model, policy) into a validated `Plan`. This package
+imports ``torch.nn`` only: never ``torch.distributed``, DeepSpeed, transformers or annot.
+"""
+
+from policies.errors import AnnotError, PlanError
+from policies.marks import Action, Mark
+from policies.parse import parse_rule
+from policies.plan import Plan, RootInfo, Unit
+from policies.planner import default_policy, make_plan
+from policies.policy import Override, Policy
+from policies.rules import (
+    Rule,
+    by_class,
+    by_name,
+    by_size,
+    every_nth,
+    marked,
+    no_split_modules,
+    repeated_blocks,
+)
+
+__all__ = [
+    "Action",
+    "AnnotError",
+    "Mark",
+    "Override",
+    "Plan",
+    "PlanError",
+    "Policy",
+    "RootInfo",
+    "Rule",
+    "Unit",
+    "by_class",
+    "by_name",
+    "by_size",
+    "default_policy",
+    "every_nth",
+    "make_plan",
+    "marked",
+    "no_split_modules",
+    "parse_rule",
+    "repeated_blocks",
+]

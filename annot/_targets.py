@@ -1,0 +1,172 @@
+"""Build the model a command-line TARGET names, on the meta device.
+
+TARGET is ``path/to/model.py:ClassName``, ``hf:<model_type>`` or a local directory
+holding a HuggingFace ``config.json``. Every failure is a `TargetError` whose message
+is one line naming the problem; the CLI prints it and exits with 2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from policies.errors import AnnotError
+
+__all__ = ["TargetError", "build_target", "read_options"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetError(AnnotError, ValueError):
+    """The command-line target or its options are unusable."""
+
+
+def read_options(kwargs: str | None, config: str | None) -> dict[str, Any]:
+    """Constructor/config values from ``--config FILE`` (JSON or YAML), then ``--kwargs JSON``
+    on top."""
+    options: dict[str, Any] = {}
+    if config is not None:
+        path = Path(config)
+        if not path.is_file():
+            raise TargetError(f"--config {config}: no such file")
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError:
+                raise TargetError("--config with YAML needs PyYAML: pip install pyyaml") from None
+            try:
+                loaded = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise TargetError(f"--config {config}: bad YAML: {_one_line(exc)}") from None
+        else:
+            try:
+                loaded = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise TargetError(f"--config {config}: bad JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise TargetError(f"--config {config}: expected a mapping of names to values")
+        options.update(loaded)
+    if kwargs is not None:
+        try:
+            loaded = json.loads(kwargs)
+        except json.JSONDecodeError as exc:
+            raise TargetError(f"--kwargs: bad JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise TargetError("--kwargs: expected a JSON object such as '{\"n_layer\": 8}'")
+        options.update(loaded)
+    return options
+
+
+def build_target(target: str, options: dict[str, Any], *, dtype: str | None = None) -> nn.Module:
+    """The model TARGET names, constructed under ``torch.device("meta")``."""
+    if target.startswith("hf:"):
+        model = _build_hf(target[3:], options, directory=None)
+    elif ":" in target and not Path(target).is_dir():
+        file, _, class_name = target.rpartition(":")
+        model = _build_from_file(Path(file), class_name, options)
+    elif Path(target).is_dir():
+        if not (Path(target) / "config.json").is_file():
+            raise TargetError(f"{target}: directory has no config.json (not a HuggingFace model)")
+        model = _build_hf(None, options, directory=Path(target))
+    elif Path(target).is_file():
+        raise TargetError(f"{target}: name the class too, as {target}:ClassName")
+    else:
+        raise TargetError(
+            f"{target}: no such file or directory (expected path/model.py:Class, hf:<model_type> "
+            "or a directory with config.json)"
+        )
+    if dtype is not None:
+        model = model.to(DTYPES[dtype])
+    return model
+
+
+def _build_from_file(file: Path, class_name: str, options: dict[str, Any]) -> nn.Module:
+    if not file.is_file():
+        raise TargetError(f"{file}: no such file")
+    if not class_name.isidentifier():
+        raise TargetError(f"{file}:{class_name}: {class_name!r} is not a class name")
+    module = _import_file(file)
+    klass = getattr(module, class_name, None)
+    if klass is None:
+        found = sorted(n for n, v in vars(module).items()
+                       if isinstance(v, type) and issubclass(v, nn.Module) and v.__module__ == module.__name__)
+        hint = f" (nn.Module classes there: {', '.join(found)})" if found else ""
+        raise TargetError(f"{file}: no class {class_name}{hint}")
+    if not (isinstance(klass, type) and issubclass(klass, nn.Module)):
+        raise TargetError(f"{file}:{class_name} is not an nn.Module class ({type(klass).__name__})")
+    try:
+        with torch.device("meta"):
+            return klass(**options)
+    except Exception as exc:  # the user's constructor: report, don't trace back
+        raise TargetError(f"{class_name}(**{options}) failed: {_one_line(exc)}") from None
+
+
+def _import_file(file: Path):
+    try:
+        source = file.read_text(encoding="utf-8")
+        compile(source, str(file), "exec")
+    except SyntaxError as exc:
+        raise TargetError(f"{file}:{exc.lineno}:{exc.offset}: syntax error: {exc.msg}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TargetError(f"{file}: cannot read: {_one_line(exc)}") from None
+    # Name the module after the file so plans read "model.Block", unless that is taken.
+    name = file.stem if file.stem.isidentifier() and file.stem not in sys.modules else (
+        f"_annot_target_{abs(hash(str(file.resolve())))}")
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # The model file may import its neighbours (from .layers import ...); make them findable.
+    sys.path.insert(0, str(file.resolve().parent))
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise TargetError(f"{file}: importing it failed: {_one_line(exc)}") from None
+    finally:
+        sys.path.remove(str(file.resolve().parent))
+    return module
+
+
+def _build_hf(model_type: str | None, options: dict[str, Any], directory: Path | None) -> nn.Module:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: never reach for a hub
+    try:
+        import transformers
+    except ImportError:
+        raise TargetError("HuggingFace targets need transformers: pip install 'annot-train[hf]'") from None
+    if directory is None and model_type not in transformers.CONFIG_MAPPING:
+        raise TargetError(
+            f"hf:{model_type}: unknown transformers model type {model_type!r} "
+            "(examples: llama, mistral, qwen2, gpt2, bert, t5)"
+        )
+    try:
+        if directory is not None:
+            config = transformers.AutoConfig.from_pretrained(directory, **options)
+        else:
+            config = transformers.AutoConfig.for_model(model_type, **options)
+    except (ValueError, KeyError, OSError, TypeError) as exc:
+        what = f"hf:{model_type}" if directory is None else str(directory)
+        raise TargetError(f"{what}: {_one_line(exc)}") from None
+    auto_classes = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
+                    "AutoModelForImageClassification", "AutoModel")
+    for name in auto_classes:
+        auto = getattr(transformers, name)
+        if type(config) in auto._model_mapping:
+            try:
+                with torch.device("meta"):
+                    return auto.from_config(config)
+            except Exception as exc:
+                raise TargetError(f"building {type(config).__name__} model failed: {_one_line(exc)}") from None
+    raise TargetError(f"no transformers model class for config {type(config).__name__}")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

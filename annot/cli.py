@@ -1,0 +1,124 @@
+"""The ``annot`` command: ``annot plan`` and ``annot rewrite``.
+
+Only the standard library is imported at module level: ``annot rewrite`` hands over to
+the `rewriter` package (which never imports torch) and ``annot plan`` imports torch when
+it runs. Exit codes: 0 success; 1 the plan is invalid (the errors are printed);
+2 bad input (missing file, unknown class, bad JSON, ...), one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+PLAN_EPILOG = """\
+targets:
+  path/to/model.py:ClassName   a class built with --kwargs/--config as keyword arguments
+  hf:<model_type>              a transformers architecture (hf:llama), config from --kwargs/--config
+  path/to/dir                  a local HuggingFace model directory (config.json)
+
+rules (--policy, --checkpoint, --offload):
+  class:NAME[,NAME]  name:GLOB  size:COUNT (100M, 1e8)  marked[:ACTION]  hf  repeated
+  every(N, RULE)     combined with | (either), & (both), - (except) and ( )
+  Without --policy/--checkpoint/--offload the model's marks decide, else HuggingFace
+  _no_split_modules (shard and checkpoint).
+
+exit codes: 0 plan printed; 1 the plan is invalid (errors printed); 2 bad input.
+"""
+
+
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="show which modules get sharded, checkpointed, offloaded (allocates nothing)",
+        description="Build the model on the meta device and print its Plan.",
+        epilog=PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("target", help="path/to/model.py:ClassName, hf:<model_type> or a model directory")
+    p.add_argument("--kwargs", metavar="JSON", help="constructor or config values as a JSON object")
+    p.add_argument("--config", metavar="FILE", help="constructor or config values from a JSON/YAML file")
+    p.add_argument("--policy", metavar="RULE", help="modules to shard (see rules below)")
+    p.add_argument("--checkpoint", metavar="RULE", help="modules to checkpoint")
+    p.add_argument("--offload", metavar="RULE", help="modules to offload")
+    p.add_argument("--offload-to", choices=("cpu", "nvme"), default="cpu",
+                   help="where --offload units go (default: cpu)")
+    p.add_argument("--group-tied", action="store_true",
+                   help="shard modules sharing a parameter as one unit instead of failing")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="cast the (meta) model before planning, e.g. bfloat16 weights")
+    p.add_argument("--json", action="store_true", help="print the Plan as JSON")
+
+
+def _rewrite_stub(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("rewrite", help="insert activation checkpointing into model source (libcst)",
+                   add_help=False)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="annot",
+        description="Shard, checkpoint and offload PyTorch models too large for one GPU.",
+    )
+    parser.add_argument("--version", action="version", version=f"annot {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _plan_parser(sub)
+    _rewrite_stub(sub)
+    return parser
+
+
+def _version() -> str:
+    from annot import __version__
+
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "rewrite":
+        # Before argparse and before anything imports torch: `annot rewrite --help` is fast.
+        from rewriter.cli import main as rewrite_main
+
+        return rewrite_main(argv[1:], prog="annot rewrite")
+    args = _parser().parse_args(argv)
+    if args.command == "plan":
+        return _run_plan(args)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from annot._targets import build_target, read_options
+    from policies import AnnotError, PlanError, Policy, default_policy, make_plan, parse_rule
+
+    try:
+        options = read_options(args.kwargs, args.config)
+        rules = {
+            action: parse_rule(text)
+            for action, text in (("shard", args.policy), ("checkpoint", args.checkpoint),
+                                 ("offload", args.offload))
+            if text is not None
+        }
+        model = build_target(args.target, options, dtype=args.dtype)
+        if rules or args.group_tied:
+            base = Policy(**rules) if rules else default_policy(model)
+            policy = Policy(shard=base.shard, checkpoint=base.checkpoint, offload=base.offload,
+                            offload_to=args.offload_to, group_tied=args.group_tied)
+            plan = make_plan(model, policy)
+        else:
+            plan = make_plan(model)
+    except PlanError as exc:
+        for line in str(exc).splitlines():
+            print(f"annot plan: invalid plan: {line}", file=sys.stderr)
+        return 1
+    except AnnotError as exc:
+        print(f"annot plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(plan.to_json() if args.json else plan.table())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

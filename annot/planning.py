@@ -1,0 +1,19 @@
+"""`annot.plan`: the Plan for a model, from a policy or from its marks / HF metadata."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from policies import Plan, Policy, Rule, make_plan
+
+__all__ = ["plan"]
+
+
+def plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
+    """Plan ``model`` without allocating (build it under ``torch.device("meta")``).
+
+    ``policy=None`` uses the model's marks (`shard_block`, `mark`, ...) and otherwise its
+    HuggingFace ``_no_split_modules``; a bare rule means "shard what it selects". Raises
+    `annot.PlanError` when the plan would be wrong or would do nothing.
+    """
+    return make_plan(model, policy)

@@ -1,0 +1,225 @@
+"""The Plan: which modules become units, with which actions and why.
+
+A Plan is plain data. It is built on the meta device without allocating (see
+`policies.make_plan`), prints as a table, round-trips through JSON, and is what the
+engines apply and what tests assert on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from policies.errors import PlanError
+from policies.marks import Action
+from policies.rules import format_count
+
+__all__ = ["Plan", "RootInfo", "Unit", "format_bytes"]
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One unit of the Plan.
+
+    ``path`` is the module's path (``""`` is the whole model); ``group`` lists further
+    modules sharded together with it (tied weights). ``params`` and ``bytes`` count the
+    parameters this unit holds itself, excluding nested shard units.
+    """
+
+    path: str
+    cls: str
+    params: int
+    bytes: dict[str, int]
+    actions: tuple[Action, ...]
+    reason: str
+    group: tuple[str, ...] = ()
+    offload_to: str | None = None
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Every module path of this unit, ``path`` first."""
+        return (self.path, *self.group)
+
+    def has(self, action: Action | str) -> bool:
+        return Action(action) in self.actions
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "path": self.path,
+            "cls": self.cls,
+            "params": self.params,
+            "bytes": dict(self.bytes),
+            "actions": [a.value for a in self.actions],
+            "reason": self.reason,
+        }
+        if self.group:
+            out["group"] = list(self.group)
+        if self.offload_to:
+            out["offload_to"] = self.offload_to
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Unit:
+        return cls(
+            path=data["path"],
+            cls=data["cls"],
+            params=int(data["params"]),
+            bytes={str(k): int(v) for k, v in data.get("bytes", {}).items()},
+            actions=tuple(Action(a) for a in data["actions"]),
+            reason=data["reason"],
+            group=tuple(data.get("group", ())),
+            offload_to=data.get("offload_to"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RootInfo:
+    """What no shard unit holds: it stays with the root, which engines wrap last."""
+
+    params: int
+    bytes: dict[str, int]
+    modules: tuple[str, ...]  # modules holding parameters directly in the root group
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"params": self.params, "bytes": dict(self.bytes), "modules": list(self.modules)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RootInfo:
+        return cls(
+            params=int(data["params"]),
+            bytes={str(k): int(v) for k, v in data.get("bytes", {}).items()},
+            modules=tuple(data.get("modules", ())),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Units in application order (children before parents), the root's leftovers, the
+    tied-parameter groups (each a tuple of parameter names) and non-fatal warnings."""
+
+    model: str
+    policy: str
+    units: tuple[Unit, ...]
+    root: RootInfo
+    tied: tuple[tuple[str, ...], ...]
+    total_params: int
+    total_bytes: dict[str, int]
+    warnings: tuple[str, ...] = ()
+
+    def unit(self, path: str) -> Unit:
+        for unit in self.units:
+            if path in unit.modules:
+                return unit
+        raise KeyError(f"no unit for module {path!r} in this plan")
+
+    def paths(self, action: Action | str | None = None) -> list[str]:
+        """Unit paths, all or those with ``action``."""
+        return [u.path for u in self.units if action is None or u.has(action)]
+
+    # JSON ------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": FORMAT_VERSION,
+            "model": self.model,
+            "policy": self.policy,
+            "units": [u.to_dict() for u in self.units],
+            "root": self.root.to_dict(),
+            "tied": [list(group) for group in self.tied],
+            "total_params": self.total_params,
+            "total_bytes": dict(self.total_bytes),
+            "warnings": list(self.warnings),
+        }
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        version = data.get("version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise PlanError(f"plan format version {version} is not supported (expected {FORMAT_VERSION})")
+        try:
+            return cls(
+                model=data["model"],
+                policy=data.get("policy", ""),
+                units=tuple(Unit.from_dict(u) for u in data["units"]),
+                root=RootInfo.from_dict(data["root"]),
+                tied=tuple(tuple(group) for group in data.get("tied", ())),
+                total_params=int(data["total_params"]),
+                total_bytes={str(k): int(v) for k, v in data.get("total_bytes", {}).items()},
+                warnings=tuple(data.get("warnings", ())),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"not a valid plan: {type(exc).__name__}: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"not a valid plan: bad JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise PlanError("not a valid plan: expected a JSON object")
+        return cls.from_dict(data)
+
+    # Table -----------------------------------------------------------------
+
+    def table(self) -> str:
+        header = ("#", "unit", "class", "params", "size", "actions", "reason")
+        rows = [
+            (
+                str(i),
+                _path_label(u.path) + (f" +{len(u.group)}" if u.group else ""),
+                u.cls.rpartition(".")[2],
+                format_count(u.params),
+                format_bytes(sum(u.bytes.values())),
+                ",".join(a.value for a in u.actions)
+                + (f"->{u.offload_to}" if u.offload_to else ""),
+                u.reason,
+            )
+            for i, u in enumerate(self.units)
+        ]
+        rows.append(
+            ("", "(root)", self.model, format_count(self.root.params),
+             format_bytes(sum(self.root.bytes.values())), "shard (last)", "what no unit holds")
+        )
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        lines = [f"Plan for {self.model}  (policy: {self.policy})"]
+        for row in [header, *rows]:
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        counts = {a: len(self.paths(a)) for a in Action}
+        lines.append(
+            f"total: {format_count(self.total_params)} params, "
+            f"{format_bytes(sum(self.total_bytes.values()))} "
+            f"({', '.join(f'{k} {format_bytes(v)}' for k, v in self.total_bytes.items())}); "
+            f"{len(self.units)} units: "
+            + ", ".join(f"{n} {a.value}" for a, n in counts.items())
+        )
+        for u in self.units:
+            if u.group:
+                lines.append(f"group: {' + '.join(u.modules)} (one shard unit)")
+        for group in self.tied:
+            lines.append(f"tied: {' = '.join(group)}")
+        for warning in self.warnings:
+            lines.append(f"warning: {warning}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _path_label(path: str) -> str:
+    return path or "(whole model)"
+
+
+def format_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,297 @@
+"""make_plan: (model, policy) -> validated Plan, without allocating.
+
+The steps, in order: pick the policy (given, else marks, else HuggingFace metadata);
+run each action's rule; apply overrides; find which shard unit owns each parameter;
+group or reject tied parameters split across units; reject mixed dtypes and mixed
+``requires_grad`` inside a unit. Every error names the module paths and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from policies.errors import PlanError
+from policies.marks import Action, effective_mark
+from policies.model_index import ModelIndex, is_under, parent_path, qualified_class_name
+from policies.plan import Plan, RootInfo, Unit
+from policies.policy import Policy
+from policies.rules import Rule, check_selection, marked, no_split_modules
+
+__all__ = ["default_policy", "make_plan"]
+
+ROOT = ""
+
+
+def default_policy(model: nn.Module) -> Policy:
+    """The model's marks if any module is marked, else its HuggingFace ``_no_split_modules``."""
+    index = ModelIndex(model)
+    if marked().select(index):
+        return Policy.from_marks()
+    if no_split_modules().select(index):
+        return Policy.from_hf()
+    raise PlanError(
+        f"{type(model).__name__} has no marked blocks and no HuggingFace _no_split_modules, "
+        "so there is nothing to decide from: mark the block class (@annot.shard_block), "
+        "call annot.mark(BlockClass, shard=True), or pass a policy such as "
+        "Policy(shard=by_class(Block))."
+    )
+
+
+def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
+    """Plan ``model`` (best on the meta device) under ``policy``.
+
+    A bare rule means ``Policy(shard=rule)``. Raises `PlanError` when the plan would be
+    wrong or would do nothing.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"make_plan() needs an nn.Module, got {type(model).__name__}")
+    if isinstance(policy, Rule):
+        policy = Policy(shard=policy)
+    index = ModelIndex(model)
+    lenient = policy is None  # marks / HF metadata may leave an action unused
+    policy = policy if policy is not None else default_policy(model)
+
+    actions: dict[str, set[Action]] = defaultdict(set)
+    reasons: dict[str, list[str]] = defaultdict(list)
+    warnings: list[str] = []
+    for action, rule in policy.rules().items():
+        selection = rule.select(index)
+        if not lenient:
+            check_selection(rule, selection, action.value)
+        for path, reason in selection.items():
+            actions[path].add(action)
+            reasons[path].append(f"{action.value}: {reason}")
+        warnings += [w for w in rule.diagnostics(index) if w not in warnings]
+    for override in policy.overrides:
+        selection = override.rule.select(index)
+        check_selection(override.rule, selection, "an override")
+        for path in selection:
+            for action, value in override.changes().items():
+                (actions[path].add if value else actions[path].discard)(action)
+            reasons[path].append(f"override: {override.rule.name}")
+
+    units = [
+        _make_unit(index, path, acts, "; ".join(_merge_reasons(reasons[path])), policy)
+        for path, acts in actions.items()
+        if acts
+    ]
+    if not units:
+        raise PlanError(
+            f"policy ({policy.describe()}) selects no module of {type(model).__name__}: "
+            "the plan would do nothing. Check the rule against the module tree "
+            "(print(model)) or mark the block class with @annot.shard_block."
+        )
+    units = _order_bottom_up(index, units)
+    tied = _tied_groups(model)
+    units = _resolve_ties(index, units, tied, policy.group_tied)
+    owned = _ownership(index, units)
+    _validate_units(index, units, owned)
+    units = [_with_counts(u, owned.get(u.path, []), index) for u in units]
+    root_params = owned.get(ROOT, [])
+    return Plan(
+        model=type(model).__name__,
+        policy=policy.describe() if not lenient else f"default: {policy.describe()}",
+        units=tuple(units),
+        root=RootInfo(
+            params=sum(p.numel() for _, p in root_params),
+            bytes=_bytes_by_dtype(p for _, p in root_params),
+            modules=tuple(dict.fromkeys(parent_path(n) or "(root)" for n, _ in root_params)),
+        ),
+        tied=tuple(tuple(group) for group in tied),
+        total_params=sum(p.numel() for p in model.parameters()),
+        total_bytes=_bytes_by_dtype(model.parameters()),
+        warnings=tuple(warnings),
+    )
+
+
+def _merge_reasons(reasons: list[str]) -> list[str]:
+    """``shard: X; checkpoint: X`` reads better as ``shard,checkpoint: X``."""
+    by_reason: dict[str, list[str]] = {}
+    for item in reasons:
+        head, _, tail = item.partition(": ")
+        by_reason.setdefault(tail, []).append(head)
+    return [f"{','.join(heads)}: {tail}" for tail, heads in by_reason.items()]
+
+
+def _make_unit(index: ModelIndex, path: str, acts: set[Action], reason: str, policy: Policy) -> Unit:
+    module = index.modules[path]
+    offload_to = None
+    if Action.OFFLOAD in acts:
+        offload_to = effective_mark(module).offload_target or policy.offload_to
+    return Unit(
+        path=path,
+        cls=qualified_class_name(module),
+        params=0,
+        bytes={},
+        actions=tuple(a for a in Action if a in acts),
+        reason=reason,
+        offload_to=offload_to,
+    )
+
+
+def _order_bottom_up(index: ModelIndex, units: list[Unit]) -> list[Unit]:
+    """Post-order: a unit comes after every unit nested in it (FSDP wraps inside-out)."""
+    last = {}
+    for unit in units:
+        last[unit.path] = max(index.position[p] for p in index.modules if is_under(p, unit.path))
+    return sorted(units, key=lambda u: (last[u.path], -u.path.count("."), u.path == ROOT))
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[id(param)].append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _owner(units: list[Unit], module_path: str) -> str:
+    """Primary path of the deepest shard unit holding ``module_path``; ROOT if none."""
+    best, depth = ROOT, -1
+    for unit in units:
+        if not unit.has(Action.SHARD):
+            continue
+        for member in unit.modules:
+            if is_under(module_path, member) and member != ROOT and member.count(".") > depth:
+                best, depth = unit.path, member.count(".")
+    return best
+
+
+def _resolve_ties(
+    index: ModelIndex, units: list[Unit], tied: list[list[str]], group: bool
+) -> list[Unit]:
+    errors = []
+    for names in tied:
+        owners = {n: _owner(units, parent_path(n)) for n in names}
+        if len(set(owners.values())) == 1:
+            continue
+        if not group:
+            where = ", ".join(f"{n} in {_label(o)}" for n, o in owners.items())
+            errors.append(
+                f"tied parameters are split across shard units: {where}. A tied parameter "
+                "must live in one unit: pass Policy(group_tied=True) to shard these modules "
+                "as one unit, or exclude them from sharding (e.g. rule - by_name(...))."
+            )
+            continue
+        units = _group(units, names, owners)
+    if errors:
+        raise PlanError("\n".join(errors))
+    return units
+
+
+def _group(units: list[Unit], names: list[str], owners: dict[str, str]) -> list[Unit]:
+    """Merge every unit owning one of ``names`` (and root modules holding them) into the
+    first such unit."""
+    first = next(o for o in owners.values() if o != ROOT)
+    by_path = {u.path: u for u in units}
+    keep = by_path[first]
+    members = list(keep.modules)
+    acts = set(keep.actions)
+    reasons = [keep.reason]
+    for name, owner in owners.items():
+        if owner == ROOT:
+            module_path = parent_path(name)
+            if module_path == ROOT:
+                raise PlanError(
+                    f"tied parameter {name} is held by the root module itself, so it cannot "
+                    "join a unit: exclude the other holders from sharding."
+                )
+            if module_path not in members:
+                members.append(module_path)
+        elif owner != first and owner not in members:
+            members += by_path[owner].modules
+            acts |= set(by_path[owner].actions)
+            reasons.append(by_path[owner].reason)
+    merged = dataclasses.replace(
+        keep,
+        group=tuple(m for m in members if m != keep.path),
+        actions=tuple(a for a in Action if a in acts),
+        reason="; ".join(reasons) + f"; grouped: tied {' = '.join(names)}",
+    )
+    absorbed = set(members) - {keep.path}
+    return [merged if u.path == first else u for u in units if u.path not in absorbed]
+
+
+def _ownership(index: ModelIndex, units: list[Unit]) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """For each shard unit (and ROOT), the distinct parameters it holds. Non-shard units
+    get the parameters under them that no nested shard unit holds, for display only."""
+    owned: dict[str, list[tuple[str, nn.Parameter]]] = defaultdict(list)
+    shard_units = [u for u in units if u.has(Action.SHARD)]
+    other_units = [u for u in units if not u.has(Action.SHARD)]
+    for name, param in index.model.named_parameters():
+        module_path = parent_path(name)
+        owner = _owner(shard_units, module_path)
+        owned[owner].append((name, param))
+        for unit in other_units:
+            nested_shard_unit = owner != ROOT and is_under(owner, unit.path)
+            if any(is_under(module_path, m) for m in unit.modules) and not nested_shard_unit:
+                owned[unit.path].append((name, param))
+    return owned
+
+
+def _validate_units(
+    index: ModelIndex, units: list[Unit], owned: dict[str, list[tuple[str, nn.Parameter]]]
+) -> None:
+    errors = []
+    groups = [(u.path, u.cls) for u in units if u.has(Action.SHARD)]
+    groups.append((ROOT, qualified_class_name(index.model)))
+    for path, cls in groups:
+        params = owned.get(path, [])
+        label = f"{_label(path)} ({cls.rpartition('.')[2]})"
+        by_dtype = _split(params, lambda p: _dtype_name(p.dtype))
+        if len(by_dtype) > 1:
+            errors.append(
+                f"{label} mixes dtypes: {_listing(by_dtype)}. One shard unit holds one dtype: "
+                "cast the module to one dtype, or make the odd parameters' module a unit of "
+                "its own (by_name(...)) or keep it out of this unit."
+            )
+        by_grad = _split(params, lambda p: "trainable" if p.requires_grad else "frozen")
+        if len(by_grad) > 1:
+            errors.append(
+                f"{label} mixes frozen and trainable parameters: {_listing(by_grad)}. Freeze "
+                "or unfreeze the whole unit, or make the frozen part a unit of its own."
+            )
+    if errors:
+        raise PlanError("\n".join(errors))
+
+
+def _split(params: list[tuple[str, nn.Parameter]], key) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = defaultdict(list)
+    for name, param in params:
+        out[key(param)].append(name)
+    return out
+
+
+def _listing(groups: dict[str, list[str]], most: int = 3) -> str:
+    parts = []
+    for key, names in groups.items():
+        shown = ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+        parts.append(f"{key} ({shown})")
+    return "; ".join(parts)
+
+
+def _label(path: str) -> str:
+    return f"module `{path}`" if path else "the root (what no unit holds)"
+
+
+def _with_counts(unit: Unit, params: list[tuple[str, nn.Parameter]], index: ModelIndex) -> Unit:
+    return dataclasses.replace(
+        unit,
+        params=sum(p.numel() for _, p in params),
+        bytes=_bytes_by_dtype(p for _, p in params),
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _bytes_by_dtype(params) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in params:
+        name = _dtype_name(p.dtype)
+        out[name] = out.get(name, 0) + p.numel() * p.element_size()
+    return out

@@ -1,0 +1,106 @@
+"""A Policy says which rule selects the modules for each action.
+
+``Policy(shard=by_class(Block), checkpoint=every_nth(2, by_class(Block)))`` shards every
+block and checkpoints every second one. Overrides are applied after, in order, so
+``policy.override(by_name("lm_head"), shard=False)`` wins over the rules above it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from policies.marks import OFFLOAD_TARGETS, Action
+from policies.rules import Rule, marked, no_split_modules
+
+__all__ = ["Override", "Policy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+    """Set (True) or clear (False) actions on what ``rule`` selects; None leaves them."""
+
+    rule: Rule
+    shard: bool | None = None
+    checkpoint: bool | None = None
+    offload: bool | None = None
+
+    def changes(self) -> dict[Action, bool]:
+        return {
+            action: value
+            for action, value in (
+                (Action.SHARD, self.shard),
+                (Action.CHECKPOINT, self.checkpoint),
+                (Action.OFFLOAD, self.offload),
+            )
+            if value is not None
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Rules per action, then overrides.
+
+    ``offload_to`` is the target for offloaded units whose marks do not name one.
+    ``group_tied`` puts modules that share a parameter into one shard unit instead of
+    rejecting the plan (tied embeddings and heads, as torchtitan groups them).
+    """
+
+    shard: Rule | None = None
+    checkpoint: Rule | None = None
+    offload: Rule | None = None
+    offload_to: str = "cpu"
+    group_tied: bool = False
+    overrides: tuple[Override, ...] = ()
+
+    def __post_init__(self) -> None:
+        for action in Action:
+            rule = getattr(self, action.value)
+            if rule is not None and not isinstance(rule, Rule):
+                raise TypeError(f"Policy({action.value}=...) takes a rule, not {type(rule).__name__}")
+        if self.offload_to not in OFFLOAD_TARGETS:
+            raise ValueError(f"offload_to must be one of {OFFLOAD_TARGETS}, got {self.offload_to!r}")
+
+    def rules(self) -> dict[Action, Rule]:
+        return {a: r for a in Action if (r := getattr(self, a.value)) is not None}
+
+    def override(
+        self,
+        rule: Rule,
+        *,
+        shard: bool | None = None,
+        checkpoint: bool | None = None,
+        offload: bool | None = None,
+    ) -> Policy:
+        """A copy with one more override (later overrides win)."""
+        extra = Override(rule, shard=shard, checkpoint=checkpoint, offload=offload)
+        if not extra.changes():
+            raise ValueError("override() needs at least one of shard=, checkpoint=, offload=")
+        return dataclasses.replace(self, overrides=(*self.overrides, extra))
+
+    def describe(self) -> str:
+        parts = [f"{a.value}={r.name}" for a, r in self.rules().items()]
+        parts += [
+            f"override({o.rule.name}: "
+            + ", ".join(f"{a.value}={v}" for a, v in o.changes().items())
+            + ")"
+            for o in self.overrides
+        ]
+        if self.group_tied:
+            parts.append("group_tied")
+        return "; ".join(parts) or "(empty)"
+
+    @classmethod
+    def from_marks(cls, **options: object) -> Policy:
+        """Each action from the marks (`annot.shard_block`, `annot.mark`, ...)."""
+        return cls(
+            shard=marked(Action.SHARD),
+            checkpoint=marked(Action.CHECKPOINT),
+            offload=marked(Action.OFFLOAD),
+            **options,  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def from_hf(cls, *, checkpoint: bool = True, **options: object) -> Policy:
+        """HuggingFace metadata: shard (and by default checkpoint) the `_no_split_modules`."""
+        rule = no_split_modules()
+        return cls(shard=rule, checkpoint=rule if checkpoint else None, **options)  # type: ignore[arg-type]

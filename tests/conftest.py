@@ -1,0 +1,32 @@
+"""Shared fixtures: the example GPT on the meta device, small HF configs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # so tests can import examples.gpt.model
+
+
+@pytest.fixture
+def gpt_meta():
+    from examples.gpt.model import GPT
+
+    with torch.device("meta"):
+        return GPT(n_layer=3, n_embd=32, n_head=2, vocab_size=64, block_size=16)
+
+
+@pytest.fixture
+def tiny_llama_meta():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
