@@ -48,7 +48,27 @@ _EXPORTS = {
     "plan": "annot.planning",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AnnotError",
+    "Plan",
+    "PlanError",
+    "Policy",
+    "by_class",
+    "by_name",
+    "by_size",
+    "checkpoint_block",
+    "every_nth",
+    "get_mark",
+    "mark",
+    "marked",
+    "no_split_modules",
+    "offload_block",
+    "plan",
+    "repeated_blocks",
+    "shard_block",
+    "unmark",
+]
+assert set(__all__) == set(_EXPORTS), "keep __all__ and _EXPORTS in step"
 __version__ = "0.1.0"
 
 

@@ -190,7 +190,7 @@ class Plan:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = [f"Plan for {self.model}  (policy: {self.policy})"]
         for row in [header, *rows]:
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
         counts = {a: len(self.paths(a)) for a in Action}
         lines.append(
             f"total: {format_count(self.total_params)} params, "

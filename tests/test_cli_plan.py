@@ -1,0 +1,139 @@
+"""`annot plan`: targets, options, and every error path with its exit code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from annot.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = f"{ROOT}/examples/gpt/model.py:GPT"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_json_of_the_example(capsys):
+    code, out, _ = run(capsys, "plan", GPT, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert [u["path"] for u in data["units"]] == [f"transformer.h.{i}" for i in range(4)]
+    assert all(u["actions"] == ["shard", "checkpoint"] for u in data["units"])
+    assert data["tied"] == [["transformer.wte.weight", "lm_head.weight"]]
+
+
+def test_plan_table_with_kwargs_and_rules(capsys):
+    code, out, _ = run(capsys, "plan", GPT, "--kwargs", '{"n_layer": 2}', "--policy", "class:Block",
+                       "--checkpoint", "every(2, class:Block)")
+    assert code == 0
+    assert "transformer.h.1  Block" in out
+    assert "2 units: 2 shard, 1 checkpoint, 0 offload" in out
+
+
+def test_plan_config_file_json_and_yaml(capsys, tmp_path):
+    (tmp_path / "c.json").write_text('{"n_layer": 5}')
+    (tmp_path / "c.yaml").write_text("n_layer: 6\n")
+    for name, layers in (("c.json", 5), ("c.yaml", 6)):
+        code, out, _ = run(capsys, "plan", GPT, "--config", str(tmp_path / name), "--json")
+        assert code == 0 and len(json.loads(out)["units"]) == layers
+
+
+def test_plan_group_tied_and_offload_flags(capsys):
+    code, out, _ = run(capsys, "plan", GPT, "--policy", "class:Embedding | class:Block",
+                       "--offload", "class:Block", "--offload-to", "nvme", "--group-tied", "--json")
+    assert code == 0
+    units = json.loads(out)["units"]
+    assert units[0]["group"] == ["lm_head"]
+    assert units[-1]["offload_to"] == "nvme"
+
+
+def test_plan_hf_architecture(capsys):
+    pytest.importorskip("transformers")
+    kwargs = ('{"num_hidden_layers": 3, "hidden_size": 32, "intermediate_size": 64, '
+              '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}')
+    code, out, _ = run(capsys, "plan", "hf:llama", "--kwargs", kwargs, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert [u["path"] for u in data["units"]] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert data["units"][0]["cls"].endswith("LlamaDecoderLayer")
+
+
+def test_plan_hf_directory(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100).save_pretrained(tmp_path)
+    code, out, _ = run(capsys, "plan", str(tmp_path), "--json")
+    assert code == 0
+    assert [u["path"] for u in json.loads(out)["units"]] == ["transformer.h.0", "transformer.h.1"]
+
+
+def test_plan_dtype_option(capsys):
+    code, out, _ = run(capsys, "plan", GPT, "--dtype", "bfloat16", "--json")
+    assert code == 0
+    assert set(json.loads(out)["total_bytes"]) == {"bfloat16"}
+
+
+SYNTAX_ERROR = "def f(:\n"
+BAD_IMPORT = "import no_such_module_x\n"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "m.py"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "make_argv, message",
+    [
+        (lambda t: ["plan", f"{t}/missing.py:GPT"], "missing.py: no such file"),
+        (lambda t: ["plan", f"{t}/nothing"], "no such file or directory"),
+        (lambda t: ["plan", GPT.replace(":GPT", ":Nope")], "no class Nope (nn.Module classes there:"),
+        (lambda t: ["plan", GPT.replace(":GPT", ":GPTConfig")], "GPTConfig is not an nn.Module class"),
+        (lambda t: ["plan", GPT.replace(":GPT", "")], "name the class too"),
+        (lambda t: ["plan", GPT, "--kwargs", "{bad"], "--kwargs: bad JSON"),
+        (lambda t: ["plan", GPT, "--kwargs", "[1]"], "--kwargs: expected a JSON object"),
+        (lambda t: ["plan", GPT, "--kwargs", '{"n_head": 5}'], "GPT(**{'n_head': 5}) failed"),
+        (lambda t: ["plan", GPT, "--config", f"{t}/none.json"], "--config"),
+        (lambda t: ["plan", str(_write(t, SYNTAX_ERROR)) + ":M"], "m.py:1:7: syntax error"),
+        (lambda t: ["plan", str(_write(t, BAD_IMPORT)) + ":M"], "importing it failed"),
+        (lambda t: ["plan", "hf:no_such_arch"], "unknown transformers model type 'no_such_arch'"),
+        (lambda t: ["plan", str(t)], "directory has no config.json"),
+        (lambda t: ["plan", GPT, "--policy", "klass:X"], "unknown rule 'klass:X'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, make_argv, message):
+    code, out, err = run(capsys, *make_argv(tmp_path))
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("annot plan: error: ")
+    assert message in err
+
+
+def test_invalid_plan_exits_1_with_the_reasons(capsys):
+    code, _, err = run(capsys, "plan", GPT, "--policy", "class:Nothing")
+    assert code == 1
+    assert "invalid plan: rule class(Nothing) selects no module for shard" in err
+
+
+def test_usage_error_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan"])
+    assert info.value.code == 2
+
+
+def test_console_script_runs_without_a_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "annot.cli", "plan", f"{tmp_path}/nope.py:X"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"annot plan: error: {tmp_path}/nope.py: no such file"
