@@ -51,6 +51,8 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="cast the (meta) model before planning, e.g. bfloat16 weights")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    p.add_argument("--full", action="store_true",
+                   help="one table row per unit (default: runs of identical blocks share a row)")
 
 
 def _rewrite_stub(sub: argparse._SubParsersAction) -> None:
@@ -116,7 +118,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     except AnnotError as exc:
         print(f"annot plan: error: {exc}", file=sys.stderr)
         return 2
-    print(plan.to_json() if args.json else plan.table())
+    print(plan.to_json() if args.json else plan.table(collapse=not args.full))
     return 0
 
 

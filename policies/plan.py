@@ -168,20 +168,22 @@ class Plan:
 
     # Table -----------------------------------------------------------------
 
-    def table(self) -> str:
+    def table(self, *, collapse: bool = True) -> str:
+        """A readable table. With ``collapse``, runs of identical sibling units
+        (``model.layers.0`` ... ``model.layers.79``) print as one row."""
         header = ("#", "unit", "class", "params", "size", "actions", "reason")
         rows = [
             (
-                str(i),
-                _path_label(u.path) + (f" +{len(u.group)}" if u.group else ""),
+                str(first) if first == last else f"{first}-{last}",
+                label,
                 u.cls.rpartition(".")[2],
-                format_count(u.params),
+                format_count(u.params) + (f" x{last - first + 1}" if first != last else ""),
                 format_bytes(sum(u.bytes.values())),
                 ",".join(a.value for a in u.actions)
                 + (f"->{u.offload_to}" if u.offload_to else ""),
                 u.reason,
             )
-            for i, u in enumerate(self.units)
+            for first, last, label, u in _rows(self.units, collapse)
         ]
         rows.append(
             ("", "(root)", self.model, format_count(self.root.params),
@@ -212,8 +214,38 @@ class Plan:
         return self.table()
 
 
-def _path_label(path: str) -> str:
-    return path or "(whole model)"
+def _path_label(unit: Unit) -> str:
+    return (unit.path or "(whole model)") + (f" +{len(unit.group)}" if unit.group else "")
+
+
+def _indexed(path: str) -> tuple[str, int] | None:
+    """``"model.layers.7"`` -> ``("model.layers", 7)``; None when the last name is not a number."""
+    head, _, tail = path.rpartition(".")
+    return (head, int(tail)) if tail.isdigit() else None
+
+
+def _rows(units: tuple[Unit, ...], collapse: bool):
+    """(first index, last index, label, unit) per table row, merging runs of siblings
+    ``prefix.N``, ``prefix.N+1``, ... that agree on everything but the path."""
+    i = 0
+    while i < len(units):
+        j = i
+        start = _indexed(units[i].path)
+        if collapse and start is not None and not units[i].group:
+            def same(k: int) -> bool:
+                a, b = units[i], units[k]
+                return (_indexed(b.path) == (start[0], start[1] + k - i) and not b.group
+                        and (a.cls, a.params, a.bytes, a.actions, a.offload_to, a.reason)
+                        == (b.cls, b.params, b.bytes, b.actions, b.offload_to, b.reason))
+            while j + 1 < len(units) and same(j + 1):
+                j += 1
+        if j > i + 1:  # three or more: worth a range
+            label = f"{start[0]}.[{start[1]}-{start[1] + j - i}]"
+            yield i, j, label, units[i]
+            i = j + 1
+        else:
+            yield i, i, _path_label(units[i]), units[i]
+            i += 1
 
 
 def format_bytes(n: int) -> str:

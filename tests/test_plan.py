@@ -106,7 +106,7 @@ def test_from_json_rejects_garbage():
 
 
 def test_table_lists_units_root_and_ties(gpt_meta):
-    table = annot.plan(gpt_meta).table()
+    table = annot.plan(gpt_meta).table(collapse=False)
     assert "transformer.h.2" in table and "(root)" in table
     assert "tied: transformer.wte.weight = lm_head.weight" in table
     assert "3 units: 3 shard, 3 checkpoint, 0 offload" in table
@@ -216,3 +216,17 @@ def test_no_split_names_all_absent_is_an_empty_selection():
 
     with pytest.raises(PlanError, match="no_split_modules selects no module for shard"):
         make_plan(Model(), Policy(shard=no_split_modules()))
+
+
+def test_table_collapses_runs_of_identical_blocks(gpt_meta):
+    plan = annot.plan(gpt_meta)
+    collapsed = plan.table()
+    assert "0-2  transformer.h.[0-2]  Block" in collapsed
+    assert "x3" in collapsed
+    full = plan.table(collapse=False)
+    assert all(f"{i}  transformer.h.{i} " in full for i in range(3))
+
+
+def test_table_does_not_collapse_units_that_differ(gpt_meta):
+    plan = make_plan(gpt_meta, Policy(shard=by_class(Block), checkpoint=by_name("transformer.h.1")))
+    assert "transformer.h.[" not in plan.table()
