@@ -224,24 +224,37 @@ def _indexed(path: str) -> tuple[str, int] | None:
     return (head, int(tail)) if tail.isdigit() else None
 
 
+def _same_but_path(a: Unit, b: Unit) -> bool:
+    return not a.group and not b.group and (
+        (a.cls, a.params, a.bytes, a.actions, a.offload_to, a.reason)
+        == (b.cls, b.params, b.bytes, b.actions, b.offload_to, b.reason)
+    )
+
+
+def _run_end(units: tuple[Unit, ...], i: int) -> int:
+    """Last index of the run of siblings ``prefix.N``, ``prefix.N+1``, ... starting at ``i``
+    that agree on everything but the path."""
+    start = _indexed(units[i].path)
+    j = i
+    while (
+        start is not None
+        and j + 1 < len(units)
+        and _indexed(units[j + 1].path) == (start[0], start[1] + j + 1 - i)
+        and _same_but_path(units[i], units[j + 1])
+    ):
+        j += 1
+    return j
+
+
 def _rows(units: tuple[Unit, ...], collapse: bool):
-    """(first index, last index, label, unit) per table row, merging runs of siblings
-    ``prefix.N``, ``prefix.N+1``, ... that agree on everything but the path."""
+    """(first index, last index, label, unit) per table row; runs of three or more
+    identical siblings share a row when ``collapse``."""
     i = 0
     while i < len(units):
-        j = i
-        start = _indexed(units[i].path)
-        if collapse and start is not None and not units[i].group:
-            def same(k: int) -> bool:
-                a, b = units[i], units[k]
-                return (_indexed(b.path) == (start[0], start[1] + k - i) and not b.group
-                        and (a.cls, a.params, a.bytes, a.actions, a.offload_to, a.reason)
-                        == (b.cls, b.params, b.bytes, b.actions, b.offload_to, b.reason))
-            while j + 1 < len(units) and same(j + 1):
-                j += 1
-        if j > i + 1:  # three or more: worth a range
-            label = f"{start[0]}.[{start[1]}-{start[1] + j - i}]"
-            yield i, j, label, units[i]
+        j = _run_end(units, i) if collapse else i
+        if j >= i + 2:
+            prefix, first = _indexed(units[i].path)  # type: ignore[misc]
+            yield i, j, f"{prefix}.[{first}-{first + j - i}]", units[i]
             i = j + 1
         else:
             yield i, i, _path_label(units[i]), units[i]

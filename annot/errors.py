@@ -1,0 +1,33 @@
+"""Errors raised when a model is handed to an engine the wrong way.
+
+All derive from `annot.AnnotError` (defined in `policies.errors`, so plan errors and
+these are caught with one ``except``) and from the builtin that fits, so code that
+catches ``RuntimeError``/``ValueError`` keeps working. Each message says what to do.
+"""
+
+from __future__ import annotations
+
+from policies.errors import AnnotError
+
+__all__ = [
+    "EngineNotAvailableError",
+    "MetaDeviceError",
+    "OptimizerOrderError",
+    "ProcessGroupNotInitializedError",
+]
+
+
+class ProcessGroupNotInitializedError(AnnotError, RuntimeError):
+    """A distributed engine was asked for before ``torch.distributed.init_process_group``."""
+
+
+class MetaDeviceError(AnnotError, ValueError):
+    """The model still has parameters or buffers on the meta device (no storage)."""
+
+
+class OptimizerOrderError(AnnotError, RuntimeError):
+    """An optimizer already holds the model's parameters, which sharding replaces."""
+
+
+class EngineNotAvailableError(AnnotError, NotImplementedError):
+    """The engine name is known but annot cannot apply a Plan to it (yet)."""
