@@ -7,10 +7,13 @@ is one line naming the problem; the CLI prints it and exits with 2.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import inspect
 import json
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -102,11 +105,31 @@ def _build_from_file(file: Path, class_name: str, options: dict[str, Any]) -> nn
         raise TargetError(f"{file}: no class {class_name}{hint}")
     if not (isinstance(klass, type) and issubclass(klass, nn.Module)):
         raise TargetError(f"{file}:{class_name} is not an nn.Module class ({type(klass).__name__})")
+    config_class = _config_parameter(klass, options)
     try:
         with torch.device("meta"):
+            if config_class is not None:
+                return klass(config_class(**options))
             return klass(**options)
     except Exception as exc:  # the user's constructor: report, don't trace back
-        raise TargetError(f"{class_name}(**{options}) failed: {_one_line(exc)}") from None
+        call = f"{config_class.__name__}(**{options})" if config_class else f"**{options}"
+        raise TargetError(f"{class_name}({call}) failed: {_one_line(exc)}") from None
+
+
+def _config_parameter(klass: type, options: dict[str, Any]) -> type | None:
+    """The dataclass of a nanoGPT-style ``Model(config: ModelConfig)`` constructor, so
+    ``--kwargs`` can fill the config; None when the options are the constructor's own."""
+    try:
+        params = [p for p in inspect.signature(klass).parameters.values()
+                  if p.default is inspect.Parameter.empty
+                  and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        hints = typing.get_type_hints(klass.__init__)
+    except (TypeError, ValueError, NameError):
+        return None
+    if len(params) != 1 or params[0].name in options:
+        return None
+    annotation = hints.get(params[0].name)
+    return annotation if dataclasses.is_dataclass(annotation) else None
 
 
 def _import_file(file: Path):
@@ -123,12 +146,13 @@ def _import_file(file: Path):
     spec = importlib.util.spec_from_file_location(name, file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    # The model file may import its neighbours (from .layers import ...); make them findable.
+    # The model file may import modules beside it (import layers); make them findable.
     sys.path.insert(0, str(file.resolve().parent))
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
+        del sys.modules[name]
         raise TargetError(f"{file}: importing it failed: {_one_line(exc)}") from None
     finally:
         sys.path.remove(str(file.resolve().parent))

@@ -137,3 +137,27 @@ def test_console_script_runs_without_a_traceback(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip() == f"annot plan: error: {tmp_path}/nope.py: no such file"
+
+
+def test_a_config_dataclass_constructor_is_filled_from_kwargs(capsys, tmp_path):
+    model_file = tmp_path / "nano.py"
+    model_file.write_text(
+        "from __future__ import annotations\n"
+        "from dataclasses import dataclass\n"
+        "from torch import nn\n"
+        "import annot\n\n"
+        "@dataclass\n"
+        "class NanoConfig:\n"
+        "    n_layer: int = 2\n\n"
+        "@annot.shard_block\n"
+        "class Layer(nn.Linear):\n"
+        "    pass\n\n"
+        "class Nano(nn.Module):\n"
+        "    def __init__(self, config: NanoConfig) -> None:\n"
+        "        super().__init__()\n"
+        "        self.layers = nn.ModuleList(Layer(4, 4) for _ in range(config.n_layer))\n"
+    )
+    code, out, _ = run(capsys, "plan", f"{model_file}:Nano", "--kwargs", '{"n_layer": 3}', "--json")
+    assert code == 0
+    assert len(json.loads(out)["units"]) == 3
+    assert json.loads(out)["units"][0]["cls"] == "nano.Layer"

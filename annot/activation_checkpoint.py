@@ -1,0 +1,77 @@
+"""Run-time activation checkpointing that leaves the module tree and names alone.
+
+`checkpoint_module` replaces one module's ``forward`` (on the instance, not the class)
+with a call through ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. Nothing is
+wrapped, so ``named_parameters()`` and ``state_dict()`` keys stay those of the bare model
+(no ``_checkpoint_wrapped_module``: DESIGN.md lesson 5), and engines that hook
+``__call__`` (FSDP2's all-gather, DDP) see the same module as before. Recomputation in
+backward calls the original ``forward`` directly, inside the engine's unit, after the
+engine has gathered the unit's parameters for backward.
+
+Checkpointing is skipped in eval mode and when autograd is off (``torch.no_grad()``,
+``torch.inference_mode()``): nothing is saved for backward then, so there is nothing to
+recompute.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from policies import Action, Plan
+
+__all__ = ["apply_checkpointing", "checkpoint_module", "checkpointed_paths", "is_checkpointed"]
+
+# Instance attribute holding the forward that was there before; its presence marks the
+# module as checkpointed. A plain __dict__ entry, not a buffer or submodule.
+_ORIGINAL_FORWARD = "_annot_original_forward"
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    original = self.__dict__[_ORIGINAL_FORWARD]
+    if not (self.training and torch.is_grad_enabled()):
+        return original(*args, **kwargs)
+    # Non-reentrant (DESIGN.md lesson 5): works with kwargs, with inputs that do not
+    # require grad, and with engines' backward hooks; it stops recomputing early once
+    # every needed tensor is rebuilt.
+    return checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return _ORIGINAL_FORWARD in module.__dict__
+
+
+def checkpoint_module(module: nn.Module) -> nn.Module:
+    """Checkpoint ``module``'s activations at run time (in place; returns ``module``).
+
+    Applying it twice is an error rather than a silent second layer of recomputation.
+    """
+    if is_checkpointed(module):
+        raise ValueError(f"{type(module).__name__} is already checkpointed by annot")
+    # The bound forward as it is now (the class's, or one another tool set on the instance).
+    module.__dict__[_ORIGINAL_FORWARD] = module.forward
+    # A bound method (not a closure) so copy.deepcopy rebinds it to the copy.
+    module.forward = types.MethodType(_checkpointed_forward, module)  # type: ignore[method-assign]
+    return module
+
+
+def checkpointed_paths(plan: Plan, checkpoint: bool | None) -> list[str]:
+    """Module paths to checkpoint: the Plan's (``None``), every unit (``True``) or none."""
+    if checkpoint is False:
+        return []
+    units = plan.units if checkpoint else [u for u in plan.units if u.has(Action.CHECKPOINT)]
+    return [path for unit in units for path in unit.modules]
+
+
+def apply_checkpointing(model: nn.Module, paths: Iterable[str]) -> list[str]:
+    """Checkpoint the modules of ``model`` at ``paths``; returns the paths, in order."""
+    done = []
+    for path in paths:
+        checkpoint_module(model.get_submodule(path))
+        done.append(path)
+    return done
