@@ -9,6 +9,8 @@ it runs. Exit codes: 0 success; 1 the plan is invalid (the errors are printed);
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 from collections.abc import Sequence
 
@@ -51,6 +53,22 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="cast the (meta) model before planning, e.g. bfloat16 weights")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    memory = p.add_argument_group("memory (--memory)")
+    memory.add_argument("--memory", action="store_true",
+                        help="estimate per-GPU memory of every strategy and recommend one")
+    memory.add_argument("--gpus", type=int, default=1, help="GPUs per node (default: 1)")
+    memory.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
+    memory.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (default: 1)")
+    memory.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
+    memory.add_argument("--precision", default="bf16-mixed",
+                        choices=("fp32", "bf16-mixed", "fp16-mixed", "bf16"),
+                        help="fp32, 16-bit mixed with fp32 master weights, or pure bf16 (default: bf16-mixed)")
+    memory.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd-momentum", "sgd"),
+                        help="default: adamw")
+    memory.add_argument("--gpu-mem", metavar="SIZE",
+                        help="memory per GPU, e.g. 80GiB (default: the visible GPU, else 80GiB)")
+    memory.add_argument("--host-mem", metavar="SIZE",
+                        help="memory per host, e.g. 512GiB (default: this machine's RAM)")
     p.add_argument("--full", action="store_true",
                    help="one table row per unit (default: runs of identical blocks share a row)")
 
@@ -96,6 +114,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     from policies import AnnotError, PlanError, Policy, default_policy, make_plan, parse_rule
 
     try:
+        gpu_mem = _size(args.gpu_mem, "--gpu-mem")
+        host_mem = _size(args.host_mem, "--host-mem")
         options = read_options(args.kwargs, args.config)
         rules = {
             action: parse_rule(text)
@@ -115,11 +135,50 @@ def _run_plan(args: argparse.Namespace) -> int:
         for line in str(exc).splitlines():
             print(f"annot plan: invalid plan: {line}", file=sys.stderr)
         return 1
+    except (AnnotError, ValueError) as exc:
+        print(f"annot plan: error: {exc}", file=sys.stderr)
+        return 2
+    if not args.memory:
+        print(plan.to_json() if args.json else plan.table(collapse=not args.full))
+        return 0
+    from annot.memory import estimate_memory
+
+    try:
+        report = estimate_memory(
+            model, plan, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=args.seq,
+            precision=args.precision, optimizer=args.optimizer,
+            gpu_mem=gpu_mem, host_mem=host_mem,
+        )
     except AnnotError as exc:
         print(f"annot plan: error: {exc}", file=sys.stderr)
         return 2
-    print(plan.to_json() if args.json else plan.table(collapse=not args.full))
+    except Exception as exc:  # the model's own forward failed under fake tensors
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"annot plan: error: tracing {type(model).__name__}.forward for --memory failed: "
+              f"{type(exc).__name__}: {first}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"plan": plan.to_dict(), "memory": report.to_dict()}, indent=2))
+    else:
+        print(plan.table(collapse=not args.full))
+        print()
+        print(report.table())
     return 0
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _size(text: str | None, option: str) -> int | None:
+    """``"80GiB"`` -> bytes. G/GiB are powers of two, GB powers of ten."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{option}: not a size: {text!r} (try 80GiB, 40G or 8e10)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 if __name__ == "__main__":  # pragma: no cover

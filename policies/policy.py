@@ -100,7 +100,9 @@ class Policy:
         )
 
     @classmethod
-    def from_hf(cls, *, checkpoint: bool = True, **options: object) -> Policy:
-        """HuggingFace metadata: shard (and by default checkpoint) the `_no_split_modules`."""
+    def from_hf(cls, *, checkpoint: bool = True, group_tied: bool = True, **options: object) -> Policy:
+        """HuggingFace metadata: shard (and by default checkpoint) the `_no_split_modules`.
+        Tied embeddings and heads (``tie_word_embeddings``) are grouped into one unit."""
         rule = no_split_modules()
-        return cls(shard=rule, checkpoint=rule if checkpoint else None, **options)  # type: ignore[arg-type]
+        return cls(shard=rule, checkpoint=rule if checkpoint else None,  # type: ignore[arg-type]
+                   group_tied=group_tied, **options)

@@ -161,3 +161,30 @@ def test_a_config_dataclass_constructor_is_filled_from_kwargs(capsys, tmp_path):
     assert code == 0
     assert len(json.loads(out)["units"]) == 3
     assert json.loads(out)["units"][0]["cls"] == "nano.Layer"
+
+
+def test_plan_memory_table_and_recommendation(capsys):
+    code, out, _ = run(capsys, "plan", GPT, "--memory", "--gpus", "2", "--batch", "4", "--seq", "32",
+                       "--precision", "fp32", "--gpu-mem", "1GiB", "--host-mem", "8GiB")
+    assert code == 0
+    assert "activations saved for backward:" in out
+    assert "FSDP2 full shard" in out and "ZeRO-3 + params, optimizer on NVMe" in out
+    assert "recommendation: DDP without checkpointing" in out
+
+
+def test_plan_memory_json(capsys):
+    code, out, _ = run(capsys, "plan", GPT, "--memory", "--json", "--batch", "2", "--seq", "16",
+                       "--gpu-mem", "100KiB", "--host-mem", "1GiB")
+    assert code == 0
+    data = json.loads(out)
+    assert set(data) == {"plan", "memory"}
+    memory = data["memory"]
+    assert memory["activations"]["saved"] > memory["activations"]["saved_checkpointed"] > 0
+    assert {r["key"] for r in memory["rows"]} >= {"ddp", "zero2", "zero3", "fsdp2", "fsdp2-offload-cpu"}
+    assert memory["recommendation"] is None and memory["reason"].startswith("nothing fits")
+
+
+def test_plan_memory_bad_size_is_one_line(capsys):
+    code, out, err = run(capsys, "plan", GPT, "--memory", "--gpu-mem", "lots")
+    assert code == 2 and out == ""
+    assert err == "annot plan: error: --gpu-mem: not a size: 'lots' (try 80GiB, 40G or 8e10)\n"

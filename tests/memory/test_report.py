@@ -1,0 +1,69 @@
+"""`estimate_memory`: rows for every strategy, fits, and the recommendation's rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import annot
+from annot.memory import MemoryInputError
+from examples.gpt.model import GPT
+
+GiB = 2**30
+
+
+def _gpt(**shape):
+    with torch.device("meta"):
+        return GPT(**shape)
+
+
+def test_small_model_that_fits_gets_ddp():
+    report = annot.estimate_memory(_gpt(n_layer=2), gpus=8, batch=2, seq=32,
+                                   gpu_mem=80 * GiB, host_mem=512 * GiB)
+    assert report.recommendation == "ddp" and report.checkpoint is False
+    assert "below ~500M parameters" in report.reason
+
+
+def test_above_500m_parameters_ddp_is_not_recommended_even_if_it_fits():
+    model = _gpt(n_layer=12, n_embd=2048, n_head=16, vocab_size=50304, block_size=64)
+    report = annot.estimate_memory(model, gpus=8, batch=1, seq=64, gpu_mem=80 * GiB, host_mem=512 * GiB)
+    assert report.params > 500_000_000
+    assert report.row("ddp").fits
+    assert report.recommendation == "zero1"
+
+
+def test_tight_memory_moves_to_checkpointing_then_sharding_then_offload():
+    model = _gpt(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, block_size=256)
+    base = annot.estimate_memory(model, gpus=4, batch=8, seq=256, gpu_mem=80 * GiB, host_mem=64 * GiB)
+    # Too tight for DDP, ZeRO-1 and ZeRO-2 without checkpointing, roomy for DDP with it:
+    # recomputation is cheaper than sharding further.
+    limit = min(base.row(k).gpu for k in ("ddp", "zero1", "zero2")) - 1
+    assert base.row("ddp").gpu_checkpointed < limit
+    squeezed = annot.estimate_memory(model, gpus=4, batch=8, seq=256, gpu_mem=limit, host_mem=64 * GiB)
+    assert (squeezed.recommendation, squeezed.checkpoint) == ("ddp", True)
+    # Below every GPU-resident strategy with checkpointing: offload.
+    resident = min(r.gpu_checkpointed for r in base.rows if "offload" not in r.key)
+    tiny = annot.estimate_memory(model, gpus=4, batch=8, seq=256, gpu_mem=resident - 1, host_mem=64 * GiB)
+    assert "offload" in tiny.recommendation and tiny.checkpoint is True
+
+
+def test_host_memory_limits_offload():
+    model = _gpt(n_layer=2)
+    report = annot.estimate_memory(model, batch=1, seq=16, gpu_mem=1, host_mem=1)
+    assert report.recommendation is None
+    assert not any(r.fits_checkpointed for r in report.rows)
+
+
+def test_report_table_and_dict():
+    report = annot.estimate_memory(_gpt(n_layer=2), gpus=2, batch=1, seq=16, gpu_mem=GiB, host_mem=GiB)
+    text = report.table()
+    assert "recommendation:" in text and "<-" in text
+    data = report.to_dict()
+    assert data["rows"][0]["key"] == "ddp" and data["precision"] == "bf16-mixed"
+
+
+def test_bad_inputs():
+    with pytest.raises(MemoryInputError, match="unknown precision"):
+        annot.estimate_memory(_gpt(n_layer=1), precision="fp64")
+    with pytest.raises(MemoryInputError, match="at least 1"):
+        annot.estimate_memory(_gpt(n_layer=1), gpus=0)
