@@ -19,7 +19,7 @@ from policies.marks import Action, effective_mark
 from policies.model_index import ModelIndex, is_under, parent_path, qualified_class_name
 from policies.plan import Plan, RootInfo, Unit
 from policies.policy import Policy
-from policies.rules import Rule, check_selection, marked, no_split_modules
+from policies.rules import Rule, check_selection, marked, no_split_modules, repeated_blocks
 
 __all__ = ["default_policy", "make_plan"]
 
@@ -27,18 +27,31 @@ ROOT = ""
 
 
 def default_policy(model: nn.Module) -> Policy:
-    """The model's marks if any module is marked, else its HuggingFace ``_no_split_modules``."""
+    """The model's marks if any module is marked, else its HuggingFace ``_no_split_modules``;
+    a HuggingFace model without that list falls back to its repeated-block trunk, and the
+    plan says so in its warnings."""
     index = ModelIndex(model)
     if marked().select(index):
         return Policy.from_marks()
     if no_split_modules().select(index):
         return Policy.from_hf()
+    if _is_huggingface(model):
+        note = (f"{type(model).__name__} declares no _no_split_modules: fell back to its "
+                "repeated-block trunk (repeated_blocks); pass a policy to choose the blocks")
+        trunk = repeated_blocks(note=note)
+        if trunk.select(index):
+            return Policy(shard=trunk, checkpoint=trunk, group_tied=True)
     raise PlanError(
         f"{type(model).__name__} has no marked blocks and no HuggingFace _no_split_modules, "
         "so there is nothing to decide from: mark the block class (@annot.shard_block), "
         "call annot.mark(BlockClass, shard=True), or pass a policy such as "
         "Policy(shard=by_class(Block))."
     )
+
+
+def _is_huggingface(model: nn.Module) -> bool:
+    """A transformers PreTrainedModel, recognised without importing transformers."""
+    return hasattr(type(model), "_no_split_modules") and hasattr(model, "config")
 
 
 def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:

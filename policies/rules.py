@@ -270,6 +270,8 @@ def _collect_no_split(index: ModelIndex) -> list[str]:
         value = getattr(module, "_no_split_modules", None)
         if isinstance(value, str):
             value = [value]
+        elif isinstance(value, (set, frozenset)):  # transformers 5 stores a set per instance
+            value = sorted(value)
         for name in value or ():
             if isinstance(name, str) and name not in names:
                 names.append(name)
@@ -305,6 +307,12 @@ def no_split_modules() -> Rule:
 class _RepeatedBlocks(Rule):
     name = "repeated_blocks"
 
+    def __init__(self, note: str | None = None) -> None:
+        self.note = note
+
+    def diagnostics(self, index: ModelIndex) -> list[str]:
+        return [self.note] if self.note else []
+
     def select(self, index: ModelIndex) -> Selection:
         out = {}
         for path, module in index:
@@ -320,10 +328,11 @@ class _RepeatedBlocks(Rule):
         return index.ordered(out)
 
 
-def repeated_blocks() -> Rule:
+def repeated_blocks(*, note: str | None = None) -> Rule:
     """The trunk: elements of an ``nn.ModuleList``/``nn.Sequential`` of two or more modules
-    of one class that hold parameters (the fallback when a model carries no metadata)."""
-    return _RepeatedBlocks()
+    of one class that hold parameters (the fallback when a model carries no metadata).
+    ``note`` is reported with the plan's warnings (to say that a fallback happened)."""
+    return _RepeatedBlocks(note)
 
 
 def format_count(n: int) -> str:

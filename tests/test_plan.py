@@ -230,3 +230,25 @@ def test_table_collapses_runs_of_identical_blocks(gpt_meta):
 def test_table_does_not_collapse_units_that_differ(gpt_meta):
     plan = make_plan(gpt_meta, Policy(shard=by_class(Block), checkpoint=by_name("transformer.h.1")))
     assert "transformer.h.[" not in plan.table()
+
+
+def test_hf_model_without_no_split_modules_falls_back_to_the_trunk_and_says_so(tiny_llama_meta):
+    for module in tiny_llama_meta.modules():  # a transformers model that declares no blocks
+        if hasattr(module, "_no_split_modules"):
+            module._no_split_modules = None
+    plan = annot.plan(tiny_llama_meta)
+    assert plan.paths("shard") == ["model.layers.0", "model.layers.1"]
+    assert plan.unit("model.layers.0").reason == "shard,checkpoint: repeated_blocks(LlamaDecoderLayer)"
+    assert any("declares no _no_split_modules: fell back" in w for w in plan.warnings)
+
+
+def test_hf_default_groups_tied_embeddings_and_head():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    plan = annot.plan(model)
+    assert plan.tied == (("model.embed_tokens.weight", "lm_head.weight"),)
+    assert plan.paths() == ["model.layers.0", "model.layers.1"]  # both in the root: no split
