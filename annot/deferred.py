@@ -1,0 +1,264 @@
+"""Deferred construction: build a model with no memory, keeping how to initialize it.
+
+``with annot.meta_init(): model = GPT(config)`` runs the constructor under
+``FakeTensorMode`` (shapes only, no data) while a dispatch mode records every tensor
+operation on a tape: creations, init functions (``reset_parameters``, HuggingFace
+``_init_weights``, anything custom in ``__init__``), how non-persistent buffers are
+computed. Fake tensors report the CPU device, so libraries that skip initialization on
+the meta device (transformers does) still run it, and it lands on the tape. On exit the
+model's tensors become ordinary meta tensors (ties kept: one object under every name)
+and the tape is attached to the model. `annot.materialize` replays it.
+
+Replaying the tape from the random-number state at entry repeats the constructor's
+exact sequence of operations, so the values are bitwise those of plain eager
+construction with the same seed, whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from policies.errors import AnnotError
+
+__all__ = [
+    "DeferredInit",
+    "DeferredInitError",
+    "Ref",
+    "build",
+    "deferred_init_of",
+    "meta_init",
+    "register_init",
+]
+
+M = TypeVar("M", bound=nn.Module)
+TAPE_ATTR = "__annot_deferred__"
+# Creations whose contents are undefined: a tensor made only by these was never initialized.
+_UNINITIALIZED = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default,
+}
+
+
+class DeferredInitError(AnnotError, RuntimeError):
+    """Construction could not be recorded, or the record cannot initialize the model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """A tensor on the tape, by its index."""
+
+    index: int
+
+
+@dataclasses.dataclass
+class Op:
+    """One recorded operation: tensors in args/kwargs/out are `Ref`s."""
+
+    func: Any
+    args: Any
+    kwargs: Any
+    out: Any
+
+
+@dataclasses.dataclass
+class DeferredInit:
+    """What `materialize` needs: the tape, the random state at the start, constants (real
+    tensors the constructor passed in), each tensor's storage group, and which tape tensor
+    every parameter and buffer name ends as."""
+
+    ops: list[Op]
+    rng_state: torch.Tensor
+    constants: dict[int, torch.Tensor]
+    group_of: dict[int, int]  # ref index -> storage group (aliases share one)
+    written: set[int]  # storage groups some operation gave contents to
+    tensors: dict[str, int]  # parameter/buffer name -> ref index (tied names share one)
+    module_of: dict[str, str]  # parameter/buffer name -> owning module path
+
+    def uninitialized(self) -> list[str]:
+        """Names of parameters/buffers nothing ever wrote."""
+        return [n for n, r in self.tensors.items() if self.group_of[r] not in self.written]
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op under it; runs it on (fake) tensors as usual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Op] = []
+        self.index: dict[int, int] = {}  # id(tensor) -> ref index
+        self.alive: list[torch.Tensor] = []  # keeps ids and storages unique while recording
+        self.constants: dict[int, torch.Tensor] = {}
+        self.group_of: dict[int, int] = {}
+        self.storage_group: dict[int, int] = {}
+        self.written: set[int] = set()
+
+    def ref(self, t: torch.Tensor) -> Ref:
+        i = self.index.get(id(t))
+        if i is None:
+            i = len(self.alive)
+            self.index[id(t)] = i
+            self.alive.append(t)
+            key = StorageWeakRef(t.untyped_storage()).cdata
+            self.group_of[i] = self.storage_group.setdefault(key, len(self.storage_group))
+            if not isinstance(t, FakeTensor):  # a real tensor from outside: a constant
+                self.constants[i] = t.detach().clone()
+                self.written.add(self.group_of[i])
+        return Ref(i)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+
+        def encode(x: Any) -> Any:
+            return self.ref(x) if isinstance(x, torch.Tensor) else x
+
+        op = Op(func, tree_map(encode, args), tree_map(encode, kwargs), tree_map(encode, out))
+        self.ops.append(op)
+        self._note_writes(func, args, op)
+        return out
+
+    def _note_writes(self, func: Any, args: tuple[Any, ...], op: Op) -> None:
+        schema = func._schema
+        for argument, value in zip(schema.arguments, args, strict=False):
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
+                self.written.add(self.group_of[self.index[id(value)]])
+        if func not in _UNINITIALIZED:
+            for returned, ref in zip(schema.returns, tree_flatten(op.out)[0], strict=False):
+                if isinstance(ref, Ref) and returned.alias_info is None:  # fresh contents
+                    self.written.add(self.group_of[ref.index])
+
+
+_registered_inits: dict[type, Callable[[nn.Module], None]] = {}
+
+
+def register_init(cls: type[nn.Module], fn: Callable[[nn.Module], None]) -> None:
+    """Tell `meta_init` how to initialize modules of ``cls`` whose constructor leaves
+    their parameters empty and that have no ``reset_parameters``."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"register_init() takes an nn.Module class, not {cls!r}")
+    _registered_inits[cls] = fn
+
+
+@contextlib.contextmanager
+def meta_init() -> Iterator[None]:
+    """Construct models inside this block without allocating; see the module docstring.
+
+    Every ``nn.Module`` whose construction *finishes* inside the block and that is not
+    part of another one built there gets the record attached; pass it to
+    `annot.materialize` (or `annot.auto_wrap`) to give it real values.
+    """
+    recorder = _Recorder()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    rng_state = torch.get_rng_state()
+    built: list[nn.Module] = []
+    original_call = _capture_roots(built)
+    try:
+        with fake_mode, recorder:
+            yield
+            for root in _roots(built):
+                _init_untouched(root, recorder)
+    finally:
+        _release_capture(original_call)
+    for root in _roots(built):
+        _to_meta(root, recorder, rng_state)
+
+
+def build(cls: Callable[..., M], *args: Any, **kwargs: Any) -> M:
+    """``annot.build(GPT, config)``: construct under `meta_init` and return the model."""
+    with meta_init():
+        model = cls(*args, **kwargs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"build() constructs nn.Modules; {cls!r} returned {type(model).__name__}")
+    return model
+
+
+def deferred_init_of(model: nn.Module) -> DeferredInit | None:
+    """The record `meta_init` attached to ``model``, if any."""
+    record = vars(model).get(TAPE_ATTR)
+    return record if isinstance(record, DeferredInit) else None
+
+
+# Which modules were built: wrap nn.Module.__init__ for the duration of the block.
+def _capture_roots(built: list[nn.Module]) -> Callable[..., None]:
+    original = nn.Module.__init__
+
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    nn.Module.__init__ = __init__  # type: ignore[method-assign]
+    return original
+
+
+def _release_capture(original: Callable[..., None]) -> None:
+    nn.Module.__init__ = original  # type: ignore[method-assign]
+
+
+def _roots(built: list[nn.Module]) -> list[nn.Module]:
+    """Modules built in the block that are not inside another one built there."""
+    children = {id(child) for m in built for child in m.modules() if child is not m}
+    roots, seen = [], set()
+    for module in built:
+        if id(module) not in children and id(module) not in seen:
+            seen.add(id(module))
+            roots.append(module)
+    return roots
+
+
+def _init_untouched(root: nn.Module, recorder: _Recorder) -> None:
+    """Run ``reset_parameters`` (or a registered init) for modules whose constructor left
+    their own parameters unwritten, still under the recorder so it lands on the tape."""
+    for module in root.modules():
+        own = list(module.parameters(recurse=False))
+        if not own or all(recorder.group_of[recorder.ref(p).index] in recorder.written for p in own):
+            continue
+        init = next((fn for cls, fn in _registered_inits.items() if isinstance(module, cls)), None)
+        if init is not None:
+            init(module)
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+
+
+def _to_meta(root: nn.Module, recorder: _Recorder, rng_state: torch.Tensor) -> None:
+    """Swap fake tensors for meta ones (one new object per old one: ties stay ties) and
+    attach the record."""
+    tensors: dict[str, int] = {}
+    module_of: dict[str, str] = {}
+    replacement: dict[int, torch.Tensor] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        for kind in ("_parameters", "_buffers"):
+            holder = getattr(module, kind)
+            for name, t in list(holder.items()):
+                if t is None:
+                    continue
+                tensors[prefix + name] = recorder.ref(t).index
+                module_of[prefix + name] = path
+                if id(t) not in replacement:
+                    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                    if kind == "_parameters":
+                        meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+                    replacement[id(t)] = meta
+                holder[name] = replacement[id(t)]
+    root.__dict__[TAPE_ATTR] = DeferredInit(
+        ops=recorder.ops,
+        rng_state=rng_state,
+        constants=recorder.constants,
+        group_of=recorder.group_of,
+        written=recorder.written,
+        tensors=tensors,
+        module_of=module_of,
+    )

@@ -1,0 +1,179 @@
+"""meta_init + materialize on one process: the correctness contract of deferred init."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import annot
+from annot.deferred import deferred_init_of
+from examples.gpt.model import GPT
+
+SHAPE = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=97, block_size=32)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()))
+
+
+def _assert_bitwise_equal(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = _state(a), _state(b)
+    assert sa.keys() == sb.keys()
+    different = [n for n in sa if sa[n].dtype != sb[n].dtype or not torch.equal(sa[n], sb[n])]
+    assert different == []
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", [lambda: GPT(**SHAPE), _llama], ids=["gpt", "llama"])
+def test_bitwise_equal_to_eager_construction(make):
+    torch.manual_seed(1234)
+    with annot.meta_init():
+        model = make()
+    assert all(t.is_meta for t in _state(model).values())  # nothing allocated
+    annot.materialize(model)
+    torch.manual_seed(1234)
+    _assert_bitwise_equal(model, make())
+
+
+def test_build_shortcut_and_forward_matches_eager():
+    torch.manual_seed(0)
+    model = annot.materialize(annot.build(GPT, **SHAPE))
+    torch.manual_seed(0)
+    eager = GPT(**SHAPE)
+    x = torch.randint(0, 97, (2, 16))
+    assert torch.equal(model(x, x)[1], eager(x, x)[1])
+
+
+def test_ties_survive_meta_init_and_materialize():
+    with annot.meta_init():
+        model = GPT(**SHAPE)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    annot.materialize(model)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert len(list(model.parameters())) == len(set(map(id, model.parameters())))
+
+
+def test_non_persistent_buffers_are_recomputed():
+    with annot.meta_init():
+        model = GPT(**SHAPE)
+    annot.materialize(model)
+    mask = model.transformer.h[0].attn.mask
+    assert torch.equal(mask[0, 0], torch.tril(torch.ones(32, 32, dtype=torch.bool)))
+
+
+def test_rotary_inv_freq_is_recomputed():
+    with annot.meta_init():
+        model = _llama()
+    annot.materialize(model)
+    rotary = model.model.rotary_emb
+    head_dim = 32 // 4
+    expected = 1.0 / (rotary.config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    assert torch.allclose(rotary.inv_freq, expected)
+
+
+def test_cast_before_materialize_equals_casting_eager():
+    torch.manual_seed(0)
+    with annot.meta_init():
+        model = GPT(**SHAPE)
+    model.to(torch.bfloat16)
+    annot.materialize(model)
+    torch.manual_seed(0)
+    _assert_bitwise_equal(model, GPT(**SHAPE).to(torch.bfloat16))
+
+
+def test_materialize_leaves_the_callers_random_state_alone():
+    with annot.meta_init():
+        model = GPT(**SHAPE)
+    state = torch.get_rng_state()
+    annot.materialize(model)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+class NoInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3, 3))
+
+
+class Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ok = nn.Linear(3, 3)
+        self.bad = NoInit()
+
+
+def test_a_module_without_init_path_is_an_error_naming_it():
+    with annot.meta_init():
+        model = Holder()
+    with pytest.raises(annot.DeferredInitError) as info:
+        annot.materialize(model)
+    message = str(info.value)
+    assert "no init path for bad.weight" in message
+    assert "module(s) bad create parameters that nothing initializes" in message
+    assert "reset_parameters()" in message
+
+
+class LazyReset(nn.Module):
+    """Defines reset_parameters but its constructor never calls it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+
+
+def test_reset_parameters_is_the_init_path_of_last_resort():
+    torch.manual_seed(3)
+    with annot.meta_init():
+        model = LazyReset()
+    annot.materialize(model)
+    torch.manual_seed(3)
+    eager = LazyReset()
+    eager.reset_parameters()
+    assert torch.equal(model.weight, eager.weight)
+
+
+def test_registered_init():
+    annot.register_init(NoInit, lambda m: nn.init.constant_(m.weight, 0.5))
+    try:
+        with annot.meta_init():
+            model = Holder()
+        annot.materialize(model)
+        assert torch.equal(model.bad.weight, torch.full((3, 3), 0.5))
+    finally:
+        from annot.deferred import _registered_inits
+
+        _registered_inits.pop(NoInit)
+
+
+def test_materialize_needs_a_record():
+    with torch.device("meta"):
+        model = GPT(**SHAPE)
+    with pytest.raises(annot.DeferredInitError, match="was not built under annot.meta_init"):
+        annot.materialize(model)
+
+
+def test_submodules_built_in_the_block_do_not_get_their_own_record():
+    with annot.meta_init():
+        model = GPT(**SHAPE)
+        extra = nn.Linear(2, 2)
+    assert deferred_init_of(model) is not None and deferred_init_of(extra) is not None
+    assert deferred_init_of(model.transformer.h[0]) is None
+    annot.materialize(extra)
+    assert not extra.weight.is_meta
+
+
+def test_meta_init_restores_module_construction():
+    with annot.meta_init():
+        pass
+    layer = nn.Linear(2, 2)
+    assert not layer.weight.is_meta and deferred_init_of(layer) is None
