@@ -31,9 +31,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 from policies.errors import AnnotError
 
 __all__ = [
+    "UNINITIALIZED",
     "DeferredInit",
     "DeferredInitError",
     "Ref",
+    "TensorLayout",
     "build",
     "deferred_init_of",
     "meta_init",
@@ -43,7 +45,7 @@ __all__ = [
 M = TypeVar("M", bound=nn.Module)
 TAPE_ATTR = "__annot_deferred__"
 # Creations whose contents are undefined: a tensor made only by these was never initialized.
-_UNINITIALIZED = {
+UNINITIALIZED = {
     torch.ops.aten.empty.memory_format,
     torch.ops.aten.empty_strided.default,
     torch.ops.aten.empty_like.default,
@@ -61,6 +63,17 @@ class Ref:
     """A tensor on the tape, by its index."""
 
     index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+    """Shape, stride and dtype of a recorded tensor; ``whole`` when it covers its storage
+    exactly (writing all of it replaces every byte of the storage)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    whole: bool
 
 
 @dataclasses.dataclass
@@ -86,6 +99,7 @@ class DeferredInit:
     written: set[int]  # storage groups some operation gave contents to
     tensors: dict[str, int]  # parameter/buffer name -> ref index (tied names share one)
     module_of: dict[str, str]  # parameter/buffer name -> owning module path
+    layout: dict[int, TensorLayout]  # ref index -> shape, stride, dtype, whole-storage flag
 
     def uninitialized(self) -> list[str]:
         """Names of parameters/buffers nothing ever wrote."""
@@ -104,6 +118,7 @@ class _Recorder(TorchDispatchMode):
         self.group_of: dict[int, int] = {}
         self.storage_group: dict[int, int] = {}
         self.written: set[int] = set()
+        self.layout: dict[int, TensorLayout] = {}
 
     def ref(self, t: torch.Tensor) -> Ref:
         i = self.index.get(id(t))
@@ -113,6 +128,9 @@ class _Recorder(TorchDispatchMode):
             self.alive.append(t)
             key = StorageWeakRef(t.untyped_storage()).cdata
             self.group_of[i] = self.storage_group.setdefault(key, len(self.storage_group))
+            whole = (t.is_contiguous() and t.storage_offset() == 0
+                     and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+            self.layout[i] = TensorLayout(tuple(t.shape), tuple(t.stride()), t.dtype, whole)
             if not isinstance(t, FakeTensor):  # a real tensor from outside: a constant
                 self.constants[i] = t.detach().clone()
                 self.written.add(self.group_of[i])
@@ -135,7 +153,7 @@ class _Recorder(TorchDispatchMode):
         for argument, value in zip(schema.arguments, args, strict=False):
             if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
                 self.written.add(self.group_of[self.index[id(value)]])
-        if func not in _UNINITIALIZED:
+        if func not in UNINITIALIZED:
             for returned, ref in zip(schema.returns, tree_flatten(op.out)[0], strict=False):
                 if isinstance(ref, Ref) and returned.alias_info is None:  # fresh contents
                     self.written.add(self.group_of[ref.index])
@@ -261,4 +279,5 @@ def _to_meta(root: nn.Module, recorder: _Recorder, rng_state: torch.Tensor) -> N
         written=recorder.written,
         tensors=tensors,
         module_of=module_of,
+        layout=recorder.layout,
     )

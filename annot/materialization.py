@@ -12,17 +12,26 @@ depend on the number of ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections import defaultdict
 from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
-from annot.deferred import DeferredInit, DeferredInitError, Ref, deferred_init_of
+from annot.deferred import UNINITIALIZED, DeferredInit, DeferredInitError, Ref, deferred_init_of
 
-__all__ = ["materialize"]
+__all__ = ["ReplayStats", "materialize", "replay_stats"]
+
+STATS_ATTR = "__annot_materialize_stats__"
+
+
+def replay_stats(model: nn.Module) -> ReplayStats | None:
+    """What the last `materialize` of ``model`` counted (peak bytes of full tensors)."""
+    return vars(model).get(STATS_ATTR)
 
 
 def materialize(model: nn.Module, *, device: torch.device | str | None = None,
@@ -58,7 +67,8 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
         _retie(model, record)
         targets = _targets(model, record)
     show = progress if progress is not None else _is_progress_rank()
-    _replay(record, targets, show)
+    stats = _replay(record, targets, show)
+    model.__dict__[STATS_ATTR] = stats
     leftover = [n for n, t in _targets(model, record).items() if _local(t).is_meta]
     if leftover:
         raise DeferredInitError(f"still on the meta device after materializing: {', '.join(leftover)}")
@@ -122,26 +132,102 @@ def _fill(target: torch.Tensor, full: torch.Tensor) -> None:
             target.copy_(full)
 
 
-def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool) -> None:
-    last_use: dict[int, int] = {}
-    for i, op in enumerate(record.ops):
-        for leaf in tree_flatten((op.args, op.kwargs, op.out))[0]:
-            if isinstance(leaf, Ref):
-                last_use[record.group_of[leaf.index]] = i
+# In-place operations that replace every element of their target (when the target
+# covers its whole storage): the values before them are never read.
+_OVERWRITES = {
+    torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default,
+    torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor, torch.ops.aten.zero_.default,
+    torch.ops.aten.copy_.default, torch.ops.aten.bernoulli_.float,
+    torch.ops.aten.exponential_.default, torch.ops.aten.random_.default,
+    getattr(torch.ops.aten.random_, "from"), torch.ops.aten.random_.to,
+}
+
+
+@dataclasses.dataclass
+class ReplayStats:
+    """Counted while replaying: the most bytes alive at once in full (unsharded) tensors."""
+
+    ops: int = 0
+    peak_bytes: int = 0
+
+
+class _Schedule:
+    """For each storage group: when it is last used, and which writes are dead (the next
+    thing to touch the group overwrites it again, as when ``_init_weights`` re-initializes
+    what ``reset_parameters`` already filled). A dead write still runs, for its random
+    numbers, but into a scratch tensor that is dropped at once."""
+
+    def __init__(self, record: DeferredInit) -> None:
+        self.last_use: dict[int, int] = {}
+        self.dead: set[int] = set()
+        self.target: dict[int, int] = {}  # op index -> ref index it overwrites
+        events: dict[int, list[tuple[int, str]]] = defaultdict(list)
+        for i, op in enumerate(record.ops):
+            overwritten = self._overwritten(op, record)
+            touched: dict[int, str] = {}
+            for leaf in tree_flatten((op.args, op.kwargs))[0]:
+                if isinstance(leaf, Ref):
+                    group = record.group_of[leaf.index]
+                    kind = "w" if overwritten is not None and leaf == overwritten else "r"
+                    touched[group] = "r" if touched.get(group) == "r" else kind
+            for leaf in tree_flatten(op.out)[0]:
+                if isinstance(leaf, Ref):
+                    touched.setdefault(record.group_of[leaf.index], "w" if op.func in UNINITIALIZED else "r")
+            for group, kind in touched.items():
+                events[group].append((i, kind))
+                self.last_use[group] = i
+            if overwritten is not None:
+                self.target[i] = overwritten.index
+        for group_events in events.values():
+            for (i, kind), (_, next_kind) in zip(group_events, group_events[1:], strict=False):
+                if kind == "w" and next_kind == "w" and i in self.target:
+                    self.dead.add(i)
+
+    @staticmethod
+    def _overwritten(op: Any, record: DeferredInit) -> Ref | None:
+        if op.func not in _OVERWRITES or not op.args or not isinstance(op.args[0], Ref):
+            return None
+        return op.args[0] if record.layout[op.args[0].index].whole else None
+
+
+def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool) -> ReplayStats:
+    schedule = _Schedule(record)
     names_by_group: dict[int, list[str]] = defaultdict(list)
     for name, ref in record.tensors.items():
         names_by_group[record.group_of[ref]].append(name)
     release_at: dict[int, list[int]] = defaultdict(list)
-    for group, i in last_use.items():
+    for group, i in schedule.last_use.items():
         release_at[i].append(group)
-    refs_by_group: dict[int, list[int]] = defaultdict(list)
 
     env: dict[int, torch.Tensor] = dict(record.constants)
+    # Tensors not allocated yet: made by an `empty` (contents undefined) or an alias of one.
+    # They are created when something first needs their contents.
+    lazy: dict[int, Any] = {}
+    refs_of: dict[int, list[int]] = defaultdict(list)
     for index in env:
-        refs_by_group[record.group_of[index]].append(index)
+        refs_of[record.group_of[index]].append(index)
+    stats = ReplayStats()
 
-    def decode(x: Any) -> Any:
-        return env[x.index] if isinstance(x, Ref) else x
+    def resolve(x: Any) -> Any:
+        if not isinstance(x, Ref):
+            return x
+        if x.index not in env:
+            op, position = lazy.pop(x.index)
+            outputs = tree_flatten(op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs)))[0]
+            env[x.index] = outputs[position]
+        return env[x.index]
+
+    def is_lazy(x: Any) -> bool:
+        return isinstance(x, Ref) and x.index in lazy
+
+    def remember(op: Any, result: Any) -> None:
+        for position, ref in enumerate(tree_flatten(op.out)[0]):
+            if isinstance(ref, Ref) and ref.index not in env and ref.index not in lazy:
+                refs_of[record.group_of[ref.index]].append(ref.index)
+                if result is None:
+                    lazy[ref.index] = (op, position)
+                else:
+                    env[ref.index] = tree_flatten(result)[0][position]
 
     saved_rng = torch.get_rng_state()
     torch.set_rng_state(record.rng_state)
@@ -149,18 +235,34 @@ def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool) 
     try:
         with torch.no_grad():
             for i, op in enumerate(record.ops):
-                result = op.func(*tree_map(decode, op.args), **tree_map(decode, op.kwargs))
-                for ref, value in zip(tree_flatten(op.out)[0], tree_flatten(result)[0], strict=False):
-                    if isinstance(ref, Ref) and ref.index not in env:
-                        env[ref.index] = value
-                        refs_by_group[record.group_of[ref.index]].append(ref.index)
+                tensor_args = [a for a in tree_flatten((op.args, op.kwargs))[0] if isinstance(a, Ref)]
+                aliasing = all(r.alias_info is not None and not r.alias_info.is_write
+                               for r in op.func._schema.returns)
+                if op.func in UNINITIALIZED or (aliasing and tensor_args and all(map(is_lazy, tensor_args))):
+                    remember(op, None)  # allocate later, when contents are needed
+                elif i in schedule.dead:
+                    layout = record.layout[schedule.target[i]]
+                    scratch = torch.empty_strided(layout.shape, layout.stride, dtype=layout.dtype)
+                    args = (scratch, *tree_map(resolve, op.args[1:]))
+                    op.func(*args, **tree_map(resolve, op.kwargs))
+                else:
+                    remember(op, op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs)))
+                stats.peak_bytes = max(stats.peak_bytes, _alive_bytes(env))
                 for group in release_at.get(i, ()):
                     for name in names_by_group.get(group, ()):
-                        _fill(targets[name], env[record.tensors[name]])
-                    for index in refs_by_group.pop(group, ()):
+                        _fill(targets[name], resolve(Ref(record.tensors[name])))
+                    for index in refs_of.pop(group, ()):
                         env.pop(index, None)
+                        lazy.pop(index, None)
                 if show and (i % 200 == 0 or i == total - 1):
                     print(f"\rmaterializing: {100 * (i + 1) // total:3d}% ({i + 1}/{total} ops)",
                           end="" if i < total - 1 else "\n", file=sys.stderr, flush=True)
+        stats.ops = total
     finally:
         torch.set_rng_state(saved_rng)
+    return stats
+
+
+def _alive_bytes(env: dict[int, torch.Tensor]) -> int:
+    storages = {StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in env.values()}
+    return sum(storages.values())
