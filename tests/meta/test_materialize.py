@@ -195,5 +195,6 @@ def test_replay_holds_at_most_about_one_parameter_at_a_time(make):
     # Init code that creates every parameter first and initializes them all at the end
     # (GPT's self.apply, transformers' post_init) would hold the whole model if replayed
     # naively; lazy allocation and dead-write elimination keep one tensor alive.
-    assert stats.peak_bytes <= largest + buffers, (stats.peak_bytes, largest, total)
+    # Small temporaries (rotary frequencies, constants) may overlap with the largest one.
+    assert stats.peak_bytes <= largest + buffers + 1024, (stats.peak_bytes, largest, total)
     assert stats.peak_bytes < total / 4
