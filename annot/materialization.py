@@ -35,13 +35,15 @@ def replay_stats(model: nn.Module) -> ReplayStats | None:
 
 
 def materialize(model: nn.Module, *, device: torch.device | str | None = None,
-                progress: bool | None = None) -> nn.Module:
+                progress: bool | None = None, skip: set[str] | frozenset[str] = frozenset()) -> nn.Module:
     """Allocate ``model``'s tensors on ``device`` (default: CPU, or the device its sharded
     parameters were placed on) and fill them from the `meta_init` record. Returns the model.
 
     Raises `DeferredInitError` when the model was not built under `annot.meta_init`,
     when a module owns parameters nothing initializes, or when a tensor is left on the
-    meta device. The caller's random-number state is left as it was.
+    meta device. The caller's random-number state is left as it was. ``skip`` names
+    parameters the caller fills itself (a checkpoint load): their initialization is not
+    replayed at all.
     """
     record = deferred_init_of(model)
     if record is None:
@@ -50,7 +52,7 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
             "record of how to initialize it: build it with `with annot.meta_init(): ...` "
             "or annot.build(cls, ...)."
         )
-    missing = record.uninitialized()
+    missing = [n for n in record.uninitialized() if n not in skip]
     if missing:
         modules = sorted({record.module_of[n] or "(root)" for n in missing})
         raise DeferredInitError(
@@ -60,14 +62,17 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
             "annot.register_init(ModuleClass, fn)."
         )
     targets = _targets(model, record)
-    if any(t.is_meta for t in targets.values()):
+    if any(_local(t).is_meta for t in targets.values()):
         # to_empty allocates only local shards for FSDP2 modules, but gives each module's
         # visit of a tied parameter its own new Parameter: tie them again right after.
         model.to_empty(device=device or _sharded_device(model) or "cpu")
         _retie(model, record)
         targets = _targets(model, record)
     show = progress if progress is not None else _is_progress_rank()
-    stats = _replay(record, targets, show)
+    skipped_groups = _skippable({record.group_of[record.tensors[n]] for n in skip}, record)
+    # A tied name skipped means its twin is filled from the checkpoint too.
+    fill = {n: t for n, t in targets.items() if record.group_of[record.tensors[n]] not in skipped_groups}
+    stats = _replay(record, fill, show, skipped_groups)
     model.__dict__[STATS_ATTR] = stats
     leftover = [n for n, t in _targets(model, record).items() if _local(t).is_meta]
     if leftover:
@@ -83,6 +88,22 @@ def _targets(model: nn.Module, record: DeferredInit) -> dict[str, torch.Tensor]:
         tensor = module._parameters.get(leaf)
         out[name] = tensor if tensor is not None else module._buffers[leaf]
     return out
+
+
+def _skippable(groups: set[int], record: DeferredInit) -> set[int]:
+    """The groups whose initialization can be left out: not read by any operation that
+    also produces something kept (a buffer computed from a weight must see real values)."""
+    groups = set(groups)
+    changed = True
+    while changed:
+        changed = False
+        for op in record.ops:
+            touched = {record.group_of[r.index] for r in tree_flatten((op.args, op.kwargs, op.out))[0]
+                       if isinstance(r, Ref)}
+            if touched & groups and touched - groups:
+                groups -= touched
+                changed = True
+    return groups
 
 
 def _retie(model: nn.Module, record: DeferredInit) -> None:
@@ -190,7 +211,8 @@ class _Schedule:
         return op.args[0] if record.layout[op.args[0].index].whole else None
 
 
-def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool) -> ReplayStats:
+def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool,
+            skipped: set[int] | None = None) -> ReplayStats:
     schedule = _Schedule(record)
     names_by_group: dict[int, list[str]] = defaultdict(list)
     for name, ref in record.tensors.items():
@@ -235,6 +257,9 @@ def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool) 
     try:
         with torch.no_grad():
             for i, op in enumerate(record.ops):
+                touched = [r for r in tree_flatten((op.args, op.kwargs, op.out))[0] if isinstance(r, Ref)]
+                if skipped and touched and all(record.group_of[r.index] in skipped for r in touched):
+                    continue  # initializes only what a checkpoint will overwrite
                 tensor_args = [a for a in tree_flatten((op.args, op.kwargs))[0] if isinstance(a, Ref)]
                 aliasing = all(r.alias_info is not None and not r.alias_info.is_write
                                for r in op.func._schema.returns)

@@ -3,9 +3,6 @@ only its shard, and the full parameters are bitwise those of eager construction.
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,22 +10,15 @@ import torch
 
 from examples.gpt.model import GPT
 
+from ._torchrun import run_torchrun
+
 WORKER = Path(__file__).with_name("fsdp2_materialize_worker.py")
 SHAPE = dict(n_layer=3, n_embd=48, n_head=4, vocab_size=101, block_size=32)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(ranks: int, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / f"ranks{ranks}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-           f"--master_port={_free_port()}", str(WORKER), str(out), *extra]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_torchrun(WORKER, ranks, str(out), *extra)
     return torch.load(out)
 
 

@@ -1,0 +1,232 @@
+"""`load`: fill a (possibly sharded, possibly meta) model from a checkpoint on disk.
+
+Sources: one ``.safetensors`` file; a directory of safetensors shards with a
+HuggingFace index (``model.safetensors.index.json``) or a single ``model.safetensors``;
+a torch distributed checkpoint (a directory with ``.metadata``). Each rank reads only
+the rows of its own shards (safetensors slices are memory-mapped), converts the dtype
+on the way in, and loads a tied parameter once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from annot.deferred import deferred_init_of
+from annot.materialization import materialize
+from policies.errors import AnnotError
+
+__all__ = ["CheckpointError", "LoadReport", "load"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class CheckpointError(AnnotError, ValueError):
+    """A checkpoint is missing, malformed, or does not match the model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What a `load` did: keys the model has but the checkpoint lacks, keys the checkpoint
+    has but the model lacks, tensors filled and bytes this rank read."""
+
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    loaded: int
+    bytes_read: int
+
+
+def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
+         device: torch.device | str | None = None) -> LoadReport:
+    """Load ``path`` into ``model`` in place and return a `LoadReport`.
+
+    ``strict=True`` raises `CheckpointError` listing missing and unexpected keys;
+    ``strict=False`` loads what matches and reports the rest. A model still on the meta
+    device is allocated first (``device``, default CPU or its mesh's device); its
+    non-persistent buffers are recomputed from its `annot.meta_init` record, and the
+    initialization of what the checkpoint provides is skipped.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if (path / ".metadata").is_file():
+        return _load_dcp(model, path, strict)
+    files = _safetensors_files(path)
+    names = _state_names(model)
+    available: dict[str, Path] = {}
+    for file, keys in files.items():
+        for key in keys:
+            available[key] = file
+    groups = _tied_groups(model, names)
+    missing = [group[0] for group in groups if not any(n in available for n in group)]
+    unexpected = sorted(set(available) - set(names))
+    if strict and (missing or unexpected):
+        raise CheckpointError(_mismatch(path, missing, unexpected))
+    provided = {n for group in groups if any(m in available for m in group) for n in group}
+    _allocate(model, device, skip=provided)
+    loaded, read = _fill_from_safetensors(model, groups, available)
+    return LoadReport(tuple(missing), tuple(unexpected), loaded, read)
+
+
+def _mismatch(path: Path, missing: list[str], unexpected: list[str]) -> str:
+    parts = [f"{path} does not match the model"]
+    if missing:
+        parts.append(f"missing {len(missing)}: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+    if unexpected:
+        parts.append(f"unexpected {len(unexpected)}: {', '.join(unexpected[:10])}"
+                     f"{' ...' if len(unexpected) > 10 else ''}")
+    return "; ".join(parts) + ". Pass strict=False to load what matches and get the rest reported."
+
+
+def _safetensors_files(path: Path) -> dict[Path, list[str]]:
+    from safetensors import safe_open
+
+    if path.is_file():
+        candidates = [path]
+    elif (path / INDEX).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{path / INDEX}: not a safetensors index ({exc})") from None
+        candidates = sorted({path / f for f in weight_map.values()})
+    elif (path / SINGLE).is_file():
+        candidates = [path / SINGLE]
+    else:
+        raise CheckpointError(
+            f"{path}: no {SINGLE}, no {INDEX} and no torch distributed checkpoint (.metadata)")
+    out = {}
+    for file in candidates:
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in the index but missing")
+        try:
+            with safe_open(file, framework="pt") as handle:
+                out[file] = list(handle.keys())
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+    return out
+
+
+def _state_names(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every name a state dict of ``model`` has (tied names included), with its tensor."""
+    out: dict[str, torch.Tensor] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        for name, param in module._parameters.items():
+            if param is not None:
+                out[prefix + name] = param
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                out[prefix + name] = buffer
+    return out
+
+
+def _tied_groups(model: nn.Module, names: dict[str, torch.Tensor]) -> list[list[str]]:
+    by_tensor: dict[int, list[str]] = defaultdict(list)
+    for name, tensor in names.items():
+        by_tensor[id(tensor)].append(name)
+    record = deferred_init_of(model)
+    if record is not None:  # after to_empty, ties are known by the record, not by identity
+        by_ref: dict[int, list[str]] = defaultdict(list)
+        for name in names:
+            by_ref[record.tensors.get(name, -1 - len(by_ref))].append(name)
+        return list(by_ref.values())
+    return list(by_tensor.values())
+
+
+def _allocate(model: nn.Module, device: torch.device | str | None, skip: set[str]) -> None:
+    tensors = list(model.parameters()) + list(model.buffers())
+    if not any(_local(t).is_meta for t in tensors):
+        return
+    if deferred_init_of(model) is not None:
+        materialize(model, device=device, skip=skip)
+        return
+    meta_buffers = [
+        f"{path}.{name}" if path else name
+        for path, module in model.named_modules()
+        for name in module._non_persistent_buffers_set
+        if module._buffers.get(name) is not None and module._buffers[name].is_meta
+    ]
+    if meta_buffers:
+        raise CheckpointError(
+            f"non-persistent buffers {', '.join(meta_buffers[:6])} are on the meta device and no "
+            "checkpoint holds them: build the model under annot.meta_init() so they can be recomputed")
+    raise CheckpointError(
+        "the model is on the meta device and was not built under annot.meta_init(): build it "
+        "there (or materialize it) before loading")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _rows(target: torch.Tensor) -> tuple[int, int] | None:
+    """The dim-0 rows of the full tensor that this rank holds; None for a plain tensor."""
+    if not hasattr(target, "device_mesh"):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and p.dim != 0)
+           for p in target.placements):
+        raise CheckpointError(f"loading supports dim-0 sharding (FSDP2), not {target.placements}")
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return offset[0] if shape[0] else 0, (offset[0] + shape[0]) if shape[0] else 0
+
+
+def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
+                           available: dict[str, Path]) -> tuple[int, int]:
+    from safetensors import safe_open
+
+    from annot._safetensors import read_rows
+
+    names = _state_names(model)
+    by_file: dict[Path, list[tuple[str, list[str]]]] = defaultdict(list)
+    for group in groups:
+        source = next((n for n in group if n in available), None)
+        if source is not None:
+            by_file[available[source]].append((source, group))
+    loaded = read = 0
+    with torch.no_grad():
+        for file, items in by_file.items():
+            with safe_open(file, framework="pt") as handle:
+                for source, group in items:
+                    target = names[group[0]]
+                    full_shape = tuple(handle.get_slice(source).get_shape())
+                    if full_shape != tuple(target.shape):
+                        raise CheckpointError(
+                            f"{source}: checkpoint shape {full_shape} != model shape {tuple(target.shape)}")
+                    rows = _rows(target)
+                    start, stop = rows if rows is not None else (0, full_shape[0] if full_shape else 0)
+                    value = (read_rows(handle, source, start, stop, full_shape[0]) if full_shape
+                             else handle.get_tensor(source))
+                    read += value.numel() * value.element_size()
+                    for name in group:  # tied names may be distinct objects (to_empty)
+                        local = _local(names[name])
+                        if local.numel():
+                            local.copy_(value)
+                    loaded += 1
+    return loaded, read
+
+
+def _load_dcp(model: nn.Module, path: Path, strict: bool) -> LoadReport:
+    import torch.distributed.checkpoint as dcp
+
+    _allocate(model, None, skip=set(_state_names(model)))
+    state = model.state_dict()
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    keys = set(metadata.state_dict_metadata)
+    missing = sorted(set(state) - keys)
+    unexpected = sorted(keys - set(state))
+    if strict and (missing or unexpected):
+        raise CheckpointError(_mismatch(path, missing, unexpected))
+    wanted = {k: v for k, v in state.items() if k in keys}
+    dcp.load(wanted, checkpoint_id=str(path))
+    read = sum(_local(v).numel() * _local(v).element_size() for v in wanted.values())
+    return LoadReport(tuple(missing), tuple(unexpected), len(wanted), read)

@@ -1,0 +1,37 @@
+"""Sharded load and save on 2 CPU ranks (FSDP2, gloo)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import annot
+from examples.gpt.model import GPT
+
+from ._torchrun import run_torchrun
+
+WORKER = Path(__file__).with_name("fsdp2_checkpoint_worker.py")
+SHAPE = dict(n_layer=3, n_embd=48, n_head=4, vocab_size=101, block_size=32)
+
+
+@pytest.mark.distributed
+def test_each_rank_reads_its_half_and_saving_from_shards_gives_the_same_files(tmp_path):
+    torch.manual_seed(11)
+    source = GPT(**SHAPE)
+    annot.save(source, tmp_path / "source", max_shard_bytes=100_000)
+    annot.save(source, tmp_path / "single", max_shard_bytes=100_000)  # the one-process save
+    run_torchrun(WORKER, 2, str(tmp_path / "source"), str(tmp_path))
+    results = json.loads((tmp_path / "results.json").read_text())
+    total = sum(p.numel() * 4 for p in source.parameters())
+    for r in results:
+        # Half the rows of every tensor, give or take the rounding of odd row counts.
+        assert 0.45 * total <= r["bytes_read"] <= 0.55 * total, (r, total)
+        assert r["dcp_same"] and r["tied"]
+    assert sum(r["bytes_read"] for r in results) == total
+    single = sorted((tmp_path / "single").iterdir())
+    saved = sorted((tmp_path / "saved").iterdir())
+    assert [p.name for p in single] == [p.name for p in saved]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(single, saved, strict=True))
