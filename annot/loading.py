@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from annot._progress import Progress
 from annot.deferred import deferred_init_of
 from annot.materialization import materialize
 from policies.errors import AnnotError
@@ -193,7 +194,8 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
         if source is not None:
             by_file[available[source]].append((source, group))
     loaded = read = 0
-    with torch.no_grad():
+    total = sum(len(items) for items in by_file.values())
+    with torch.no_grad(), Progress("loading", total) as progress:
         for file, items in by_file.items():
             with safe_open(file, framework="pt") as handle:
                 for source, group in items:
@@ -212,6 +214,7 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
                         if local.numel():
                             local.copy_(value)
                     loaded += 1
+                    progress.advance()
     return loaded, read
 
 

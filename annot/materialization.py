@@ -13,7 +13,6 @@ depend on the number of ranks.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections import defaultdict
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
+from annot._progress import Progress
 from annot.deferred import UNINITIALIZED, DeferredInit, DeferredInitError, Ref, deferred_init_of
 
 __all__ = ["ReplayStats", "materialize", "replay_stats"]
@@ -68,11 +68,10 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
         model.to_empty(device=device or _sharded_device(model) or "cpu")
         _retie(model, record)
         targets = _targets(model, record)
-    show = progress if progress is not None else _is_progress_rank()
     skipped_groups = _skippable({record.group_of[record.tensors[n]] for n in skip}, record)
     # A tied name skipped means its twin is filled from the checkpoint too.
     fill = {n: t for n, t in targets.items() if record.group_of[record.tensors[n]] not in skipped_groups}
-    stats = _replay(record, fill, show, skipped_groups)
+    stats = _replay(record, fill, progress, skipped_groups)
     model.__dict__[STATS_ATTR] = stats
     leftover = [n for n, t in _targets(model, record).items() if _local(t).is_meta]
     if leftover:
@@ -130,12 +129,6 @@ def _sharded_device(model: nn.Module) -> torch.device | None:
             return torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
                 else torch.device(mesh.device_type)
     return None
-
-
-def _is_progress_rank() -> bool:
-    if not sys.stderr.isatty():
-        return False
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def _fill(target: torch.Tensor, full: torch.Tensor) -> None:
@@ -211,7 +204,7 @@ class _Schedule:
         return op.args[0] if record.layout[op.args[0].index].whole else None
 
 
-def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool,
+def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool | None,
             skipped: set[int] | None = None) -> ReplayStats:
     schedule = _Schedule(record)
     names_by_group: dict[int, list[str]] = defaultdict(list)
@@ -255,7 +248,7 @@ def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool,
     torch.set_rng_state(record.rng_state)
     total = len(record.ops)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), Progress("materializing", total, show=show) as progress:
             for i, op in enumerate(record.ops):
                 touched = [r for r in tree_flatten((op.args, op.kwargs, op.out))[0] if isinstance(r, Ref)]
                 if skipped and touched and all(record.group_of[r.index] in skipped for r in touched):
@@ -279,9 +272,7 @@ def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool,
                     for index in refs_of.pop(group, ()):
                         env.pop(index, None)
                         lazy.pop(index, None)
-                if show and (i % 200 == 0 or i == total - 1):
-                    print(f"\rmaterializing: {100 * (i + 1) // total:3d}% ({i + 1}/{total} ops)",
-                          end="" if i < total - 1 else "\n", file=sys.stderr, flush=True)
+                progress.advance()
         stats.ops = total
     finally:
         torch.set_rng_state(saved_rng)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from annot._progress import Progress
 from annot._safetensors import SafetensorsWriter
 from annot.loading import INDEX, SINGLE, CheckpointError, _state_names
 
@@ -51,6 +52,7 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *, max_shard_bytes
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     try:
+        progress = Progress("saving", len(tensors))
         for file, shard in zip(files, shards, strict=True):
             writer = None
             if rank == 0:
@@ -59,8 +61,10 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *, max_shard_bytes
                 full = _full(tensors[name])  # collective for sharded tensors: every rank calls
                 if writer is not None:
                     writer.write(name, full.to(out_dtype(full)))
+                progress.advance()
             if writer is not None:
                 writer.close()
+        progress.__exit__()
         if rank == 0:
             _write_index(tmp, shards, files, tensors, out_dtype)
             config = getattr(model, "config", None)

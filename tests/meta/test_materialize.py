@@ -198,3 +198,10 @@ def test_replay_holds_at_most_about_one_parameter_at_a_time(make):
     # Small temporaries (rotary frequencies, constants) may overlap with the largest one.
     assert stats.peak_bytes <= largest + buffers + 1024, (stats.peak_bytes, largest, total)
     assert stats.peak_bytes < total / 4
+
+
+def test_progress_is_reported_when_asked(capsys):
+    with annot.meta_init():
+        model = GPT(**SHAPE)
+    annot.materialize(model, progress=True)
+    assert "materializing: 100%" in capsys.readouterr().err
