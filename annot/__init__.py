@@ -12,8 +12,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from annot.deferred import DeferredInitError, build, meta_init, register_init
+    from annot.engines.deepspeed_config import deepspeed_config
+    from annot.engines.fsdp1 import fsdp1_policies
+    from annot.errors import (
+        EngineNotAvailableError,
+        MetaDeviceError,
+        OptimizerOrderError,
+        ProcessGroupNotInitializedError,
+    )
+    from annot.loading import CheckpointError, load
     from annot.markers import checkpoint_block, get_mark, mark, offload_block, shard_block, unmark
+    from annot.materialization import materialize
+    from annot.memory import estimate_memory
     from annot.planning import plan
+    from annot.saving import save
+    from annot.wrap import auto_wrap
     from policies import (
         Plan,
         Policy,
@@ -46,25 +60,57 @@ _EXPORTS = {
     "shard_block": "annot.markers",
     "unmark": "annot.markers",
     "plan": "annot.planning",
+    "meta_init": "annot.deferred",
+    "build": "annot.deferred",
+    "register_init": "annot.deferred",
+    "DeferredInitError": "annot.deferred",
+    "materialize": "annot.materialization",
+    "load": "annot.loading",
+    "save": "annot.saving",
+    "CheckpointError": "annot.loading",
+    "estimate_memory": "annot.memory",
+    "auto_wrap": "annot.wrap",
+    "fsdp1_policies": "annot.engines.fsdp1",
+    "deepspeed_config": "annot.engines.deepspeed_config",
+    "EngineNotAvailableError": "annot.errors",
+    "MetaDeviceError": "annot.errors",
+    "OptimizerOrderError": "annot.errors",
+    "ProcessGroupNotInitializedError": "annot.errors",
 }
 
 __all__ = [
     "AnnotError",
+    "CheckpointError",
+    "DeferredInitError",
+    "EngineNotAvailableError",
+    "MetaDeviceError",
+    "OptimizerOrderError",
     "Plan",
     "PlanError",
     "Policy",
+    "ProcessGroupNotInitializedError",
+    "auto_wrap",
     "by_class",
     "by_name",
+    "build",
     "by_size",
     "checkpoint_block",
+    "deepspeed_config",
+    "estimate_memory",
     "every_nth",
+    "fsdp1_policies",
     "get_mark",
+    "load",
     "mark",
+    "materialize",
+    "meta_init",
     "marked",
     "no_split_modules",
     "offload_block",
     "plan",
+    "register_init",
     "repeated_blocks",
+    "save",
     "shard_block",
     "unmark",
 ]

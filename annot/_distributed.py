@@ -52,10 +52,9 @@ def check_not_meta(model: nn.Module) -> None:
     if meta:
         shown = ", ".join(meta[:5]) + (f" and {len(meta) - 5} more" if len(meta) > 5 else "")
         raise MetaDeviceError(
-            f"{type(model).__name__} has tensors on the meta device ({shown}), so there is "
-            "nothing to shard or train. Materializing a meta model unit by unit is not "
-            "implemented yet (issue 5); for now build the model on a real device "
-            "(CPU, or the GPU under `with torch.device('cuda')`) before annot.auto_wrap()."
+            f"{type(model).__name__} has tensors on the meta device ({shown}) and no record of "
+            "how to initialize them: build it under `with annot.meta_init():` (then auto_wrap "
+            "materializes it shard by shard), or on a real device, before annot.auto_wrap()."
         )
 
 
@@ -71,8 +70,11 @@ def check_no_optimizer(model: nn.Module, engine: str) -> None:
     own = {id(p) for p in model.parameters()}
     if not own:
         return
+    gc.collect()  # an optimizer the user dropped but a reference cycle still holds is not one
     for obj in gc.get_objects():
-        if isinstance(obj, torch.optim.Optimizer) and any(
+        # issubclass(type(...)): isinstance() would read __class__ on every object, and
+        # some module-like objects warn when touched that way.
+        if issubclass(type(obj), torch.optim.Optimizer) and any(
             id(p) in own for group in obj.param_groups for p in group["params"]
         ):
             raise OptimizerOrderError(

@@ -16,7 +16,7 @@ recompute.
 from __future__ import annotations
 
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,34 +25,53 @@ from torch.utils.checkpoint import checkpoint
 
 from policies import Action, Plan
 
-__all__ = ["apply_checkpointing", "checkpoint_module", "checkpointed_paths", "is_checkpointed"]
+__all__ = [
+    "apply_checkpointing",
+    "checkpoint_module",
+    "checkpointed_paths",
+    "is_checkpointed",
+    "torch_checkpoint",
+]
 
 # Instance attribute holding the forward that was there before; its presence marks the
 # module as checkpointed. A plain __dict__ entry, not a buffer or submodule.
 _ORIGINAL_FORWARD = "_annot_original_forward"
 
 
+# Instance attribute holding the function that runs ``forward`` under checkpointing.
+_CHECKPOINT_FN = "_annot_checkpoint_fn"
+
+CheckpointFn = Callable[..., Any]  # (function, *args, **kwargs) -> function's output
+
+
+def torch_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """torch's non-reentrant checkpoint (DESIGN.md lesson 5): works with kwargs, with
+    inputs that do not require grad, and with engines' backward hooks; it stops
+    recomputing early once every needed tensor is rebuilt."""
+    return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     original = self.__dict__[_ORIGINAL_FORWARD]
     if not (self.training and torch.is_grad_enabled()):
         return original(*args, **kwargs)
-    # Non-reentrant (DESIGN.md lesson 5): works with kwargs, with inputs that do not
-    # require grad, and with engines' backward hooks; it stops recomputing early once
-    # every needed tensor is rebuilt.
-    return checkpoint(original, *args, use_reentrant=False, **kwargs)
+    return self.__dict__[_CHECKPOINT_FN](original, *args, **kwargs)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
     return _ORIGINAL_FORWARD in module.__dict__
 
 
-def checkpoint_module(module: nn.Module) -> nn.Module:
+def checkpoint_module(module: nn.Module, checkpoint_fn: CheckpointFn = torch_checkpoint) -> nn.Module:
     """Checkpoint ``module``'s activations at run time (in place; returns ``module``).
 
+    ``checkpoint_fn(forward, *args, **kwargs)`` runs the forward under checkpointing:
+    torch's non-reentrant one by default, DeepSpeed's for the DeepSpeed engine.
     Applying it twice is an error rather than a silent second layer of recomputation.
     """
     if is_checkpointed(module):
         raise ValueError(f"{type(module).__name__} is already checkpointed by annot")
+    module.__dict__[_CHECKPOINT_FN] = checkpoint_fn
     # The bound forward as it is now (the class's, or one another tool set on the instance).
     module.__dict__[_ORIGINAL_FORWARD] = module.forward
     # A bound method (not a closure) so copy.deepcopy rebinds it to the copy.
@@ -68,10 +87,12 @@ def checkpointed_paths(plan: Plan, checkpoint: bool | None) -> list[str]:
     return [path for unit in units for path in unit.modules]
 
 
-def apply_checkpointing(model: nn.Module, paths: Iterable[str]) -> list[str]:
+def apply_checkpointing(
+    model: nn.Module, paths: Iterable[str], checkpoint_fn: CheckpointFn = torch_checkpoint
+) -> list[str]:
     """Checkpoint the modules of ``model`` at ``paths``; returns the paths, in order."""
     done = []
     for path in paths:
-        checkpoint_module(model.get_submodule(path))
+        checkpoint_module(model.get_submodule(path), checkpoint_fn)
         done.append(path)
     return done

@@ -1,0 +1,111 @@
+"""`annot.deepspeed_config`: the DeepSpeed config dict for a model's Plan.
+
+Everything that changes training is set explicitly, so DeepSpeed trains like plain
+PyTorch unless asked otherwise (DESIGN.md lesson 11): DeepSpeed 0.19 clips gradients at
+1.0 when ``gradient_clipping`` is absent, and ZeRO refuses a plain torch optimizer
+without ``zero_allow_untested_optimizer``. Building the dict imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from annot.errors import EngineNotAvailableError
+from policies import Action, Plan
+
+__all__ = ["deepspeed_config"]
+
+_PRECISIONS = {None: None, "fp32": None, "bf16": "bf16", "fp16": "fp16"}
+
+
+def deepspeed_config(
+    model_or_plan: nn.Module | Plan,
+    *,
+    stage: int = 2,
+    offload: str | None = None,
+    nvme_path: str | None = None,
+    precision: str | None = None,
+    micro_batch_size: int = 1,
+    gradient_accumulation_steps: int = 1,
+    gradient_clipping: float = 0.0,
+    partition_activations: bool = False,
+    cpu_checkpointing: bool = False,
+) -> dict[str, Any]:
+    """The config for ``deepspeed.initialize(model=..., optimizer=..., config=...)``.
+
+    ``stage``: ZeRO stage 0-3. ``offload``: ``None`` (CPU if any Plan unit is marked
+    offload, NVMe if one is marked ``"nvme"``), ``"none"``, ``"cpu"`` or ``"nvme"``
+    (needs ``nvme_path``); stages 1-2 offload the optimizer state, stage 3 also the
+    parameters. With offload, a plain torch optimizer is allowed
+    (``zero_force_ds_cpu_optimizer: false``). ``precision``: ``None``/``"fp32"``,
+    ``"bf16"`` or ``"fp16"`` (dynamic loss scaling). ``gradient_clipping`` defaults to 0
+    (off), unlike DeepSpeed. The ``activation_checkpointing`` section counts the Plan's
+    checkpointed units; DeepSpeed reads it only once ``deepspeed.checkpointing.configure``
+    has run with this config (DESIGN.md lesson 9).
+    """
+    if isinstance(model_or_plan, Plan):
+        plan = model_or_plan
+    else:
+        from annot.wrap import resolve_plan
+
+        plan = resolve_plan(model_or_plan, None)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3 (ZeRO), got {stage!r}")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be None, 'fp32', 'bf16' or 'fp16', got {precision!r}")
+    target = _offload_target(plan, offload)
+    if target == "nvme" and not nvme_path:
+        raise ValueError("offload='nvme' needs nvme_path= (a directory on a fast local disk)")
+    if cpu_checkpointing and stage == 3 and not torch.cuda.is_available():
+        # Measured: DeepSpeed 0.19's CPU accelerator crashes in recomputation (a matmul on
+        # an ungathered 0-d parameter) with ZeRO-3 and cpu_checkpointing (DESIGN.md lesson 12).
+        raise EngineNotAvailableError(
+            "cpu_checkpointing with ZeRO-3 crashes on DeepSpeed's CPU accelerator: use it on "
+            "GPUs, or pass cpu_checkpointing=False (or stage=2) on CPU"
+        )
+
+    zero: dict[str, Any] = {"stage": stage}
+    if target is not None:
+        if stage == 0:
+            raise ValueError("offload needs ZeRO stage 1 or more (stage 3 to offload parameters)")
+        device: dict[str, Any] = {"device": target, "pin_memory": torch.cuda.is_available()}
+        if target == "nvme":
+            device["nvme_path"] = nvme_path
+        zero["offload_optimizer"] = dict(device)
+        if stage == 3:
+            zero["offload_param"] = dict(device)
+
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "gradient_clipping": float(gradient_clipping),
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": zero,
+        "activation_checkpointing": {
+            "partition_activations": partition_activations,
+            "cpu_checkpointing": cpu_checkpointing,
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": len(plan.paths(Action.CHECKPOINT)),
+        },
+    }
+    if target is not None:
+        config["zero_force_ds_cpu_optimizer"] = False
+    if _PRECISIONS[precision] == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif _PRECISIONS[precision] == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0}
+    return config
+
+
+def _offload_target(plan: Plan, offload: str | None) -> str | None:
+    if offload is None:
+        targets = {u.offload_to for u in plan.units if u.has(Action.OFFLOAD)}
+        return "nvme" if "nvme" in targets else ("cpu" if targets else None)
+    if offload == "none":
+        return None
+    if offload not in ("cpu", "nvme"):
+        raise ValueError(f"offload must be None, 'none', 'cpu' or 'nvme', got {offload!r}")
+    return offload

@@ -1,0 +1,118 @@
+"""Shared by the engine tests and the worker they launch: the model, the data, the
+optimizer, the single-process reference, and a torchrun launcher with a timeout.
+
+The worker (``engine_worker.py``, run by torchrun) and the reference (run in the pytest
+process) build the model from the same seed and see the same batches: each rank gets
+its slice of a step's batch, the reference the whole of it. With equal slices, the mean
+of the ranks' losses is the loss on the union and the averaged gradients are its
+gradients, so losses and parameters must agree up to float rounding.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("engine_worker.py")
+
+CONFIG = dict(n_layer=3, n_head=2, n_embd=32, vocab_size=64, block_size=16)
+WORLD_SIZE = 2
+BATCH_PER_RANK = 2
+STEPS = 3
+# fp32 everywhere; the only differences left are the order of float additions in the
+# gradient reduction, far below this.
+TOLERANCE = 1e-5
+LAUNCH_TIMEOUT_S = 180
+
+# name -> auto_wrap keyword arguments. checkpoint=None means "as the Plan says": the
+# example GPT's blocks are marked @shard_block(checkpoint=True).
+SCENARIOS: dict[str, dict] = {
+    "fsdp2": dict(engine="fsdp2", checkpoint=False),
+    "fsdp2-checkpoint": dict(engine="fsdp2", checkpoint=None),
+    "fsdp2-offload-checkpoint": dict(engine="fsdp2", checkpoint=None, offload=True),
+    "fsdp2-no-reshard": dict(engine="fsdp2", checkpoint=False, reshard_after_forward=False),
+    "fsdp1": dict(engine="fsdp1", checkpoint=False),
+    "fsdp1-checkpoint": dict(engine="fsdp1", checkpoint=None),
+    "ddp": dict(engine="ddp", checkpoint=False),
+    "ddp-checkpoint": dict(engine="ddp", checkpoint=None),
+    # DeepSpeed: reshard_after_forward picks ZeRO-3 (True) or ZeRO-2 (False). A
+    # checkpointed one first: DeepSpeed's checkpointing must be configured in a process
+    # where no earlier deepspeed.initialize has set DeepSpeed's backend up.
+    "zero3-checkpoint": dict(engine="deepspeed", checkpoint=None),
+    "zero3": dict(engine="deepspeed", checkpoint=False),
+    "zero2": dict(engine="deepspeed", checkpoint=False, reshard_after_forward=False),
+    "zero2-checkpoint": dict(engine="deepspeed", checkpoint=None, reshard_after_forward=False),
+    "zero3-offload-checkpoint": dict(engine="deepspeed", checkpoint=None, offload=True),
+}
+
+
+def make_model() -> torch.nn.Module:
+    from examples.gpt.model import GPT
+
+    torch.manual_seed(0)
+    return GPT(**CONFIG)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (inputs, targets) pair per step, the union of all ranks' rows."""
+    gen = torch.Generator().manual_seed(1)
+    rows, length = WORLD_SIZE * BATCH_PER_RANK, CONFIG["block_size"]
+    data = torch.randint(0, CONFIG["vocab_size"], (STEPS, rows, length + 1), generator=gen)
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+
+def rank_slice(tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    return tensor[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final parameters of the bare model trained in one process."""
+    model = make_model()
+    opt = make_optimizer(model.parameters())
+    losses = []
+    for idx, targets in batches():
+        _, loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(script: Path | str, *args: str, nproc: int = WORLD_SIZE,
+             timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run ``script`` under torchrun on a free port; a hang past ``timeout`` kills the
+    whole process group and raises ``TimeoutError`` with the output so far."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args,
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    # A new session, so a timeout can kill torchrun and the workers it started together.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise TimeoutError(f"{' '.join(cmd)} ran past {timeout}s:\n{out}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")

@@ -1,0 +1,87 @@
+"""`annot.deepspeed_config`: the dict says what it means (DESIGN.md lessons 9, 11, 12).
+Training with it is checked against torch in test_parity.py (zero2/zero3 scenarios)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import annot
+from examples.gpt.model import GPT
+
+
+@pytest.fixture
+def model() -> GPT:
+    return GPT(n_layer=4, n_embd=32, n_head=2, vocab_size=64, block_size=16)
+
+
+def test_defaults_train_like_plain_pytorch(model):
+    config = annot.deepspeed_config(model)
+    assert config["gradient_clipping"] == 0.0  # DeepSpeed 0.19 would clip at 1.0
+    assert config["zero_allow_untested_optimizer"] is True
+    assert config["zero_optimization"] == {"stage": 2}
+    assert "bf16" not in config and "fp16" not in config
+    assert config["activation_checkpointing"]["number_checkpoints"] == 4  # the Plan's blocks
+
+
+def test_a_plan_works_as_well_as_a_model(model):
+    assert annot.deepspeed_config(annot.plan(model), stage=3) == annot.deepspeed_config(model, stage=3)
+
+
+@pytest.mark.parametrize(("stage", "sections"), [(2, {"offload_optimizer"}),
+                                                 (3, {"offload_optimizer", "offload_param"})])
+def test_cpu_offload_by_stage(model, stage, sections):
+    config = annot.deepspeed_config(model, stage=stage, offload="cpu")
+    zero = config["zero_optimization"]
+    assert set(zero) - {"stage"} == sections
+    assert all(zero[s]["device"] == "cpu" for s in sections)
+    assert config["zero_force_ds_cpu_optimizer"] is False  # a torch optimizer may be offloaded
+
+
+def test_offload_follows_the_plan_marks(model):
+    assert "offload_optimizer" not in annot.deepspeed_config(model)["zero_optimization"]
+    annot.mark(model.transformer.h[0], offload="nvme")
+    with pytest.raises(ValueError, match="nvme_path"):
+        annot.deepspeed_config(model)
+    zero = annot.deepspeed_config(model, stage=3, nvme_path="/nvme")["zero_optimization"]
+    assert zero["offload_param"] == {"device": "nvme", "pin_memory": torch.cuda.is_available(),
+                                     "nvme_path": "/nvme"}
+    assert "offload_optimizer" not in annot.deepspeed_config(model, offload="none")["zero_optimization"]
+
+
+@pytest.mark.parametrize(("precision", "section"), [("bf16", {"enabled": True}),
+                                                    ("fp16", {"enabled": True, "loss_scale": 0})])
+def test_precision(model, precision, section):
+    assert annot.deepspeed_config(model, precision=precision)[precision] == section
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [(dict(stage=4), "stage"), (dict(precision="int8"), "precision"),
+     (dict(offload="disk"), "offload"), (dict(stage=0, offload="cpu"), "stage 1")],
+)
+def test_bad_options_are_errors(model, options, match):
+    with pytest.raises(ValueError, match=match):
+        annot.deepspeed_config(model, **options)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for DeepSpeed's CPU accelerator")
+def test_zero3_cpu_checkpointing_is_refused_on_cpu(model):
+    with pytest.raises(annot.EngineNotAvailableError, match="cpu_checkpointing"):
+        annot.deepspeed_config(model, stage=3, cpu_checkpointing=True)
+    assert annot.deepspeed_config(model, stage=2, cpu_checkpointing=True)["activation_checkpointing"][
+        "cpu_checkpointing"
+    ]
+
+
+def test_deepspeed_checkpoint_keeps_a_one_tuple_and_the_gradient():
+    pytest.importorskip("deepspeed")
+    from annot.engines.deepspeed import deepspeed_checkpoint
+
+    linear = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    out = deepspeed_checkpoint(lambda t: (linear(t),), x)
+    assert isinstance(out, tuple) and len(out) == 1  # DeepSpeed alone returns the bare tensor
+    out[0].sum().backward()
+    assert linear.weight.grad is not None and linear.weight.grad.abs().sum() > 0
+    assert isinstance(deepspeed_checkpoint(linear, x), torch.Tensor)

@@ -1,0 +1,137 @@
+"""Misuse that the engines punish late is refused up front, with the fix in the message.
+
+Checks that need a process group use a one-rank gloo group in this process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from engine_harness import free_port
+
+import annot
+from examples.gpt.model import GPT
+
+pytestmark = pytest.mark.distributed
+
+
+def small_gpt() -> GPT:
+    return GPT(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_unknown_engine_names_the_choices():
+    with pytest.raises(ValueError, match="unknown engine 'zero9'.*ddp.*fsdp2"):
+        annot.auto_wrap(small_gpt(), "zero9")
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1", "ddp", "deepspeed"])
+def test_without_a_process_group_the_error_says_torchrun_and_init_process_group(engine):
+    assert not dist.is_initialized()
+    with pytest.raises(annot.ProcessGroupNotInitializedError) as info:
+        annot.auto_wrap(small_gpt(), engine)
+    assert "torchrun" in str(info.value) and "init_process_group" in str(info.value)
+    assert isinstance(info.value, annot.AnnotError)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1", "ddp", "deepspeed"])
+def test_a_meta_model_without_a_meta_init_record_is_refused(one_rank, engine):
+    with torch.device("meta"):
+        model = small_gpt()
+    with pytest.raises(annot.MetaDeviceError, match="meta device.*annot.meta_init"):
+        annot.auto_wrap(model, engine)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
+def test_a_meta_init_model_is_materialized_with_eager_values(one_rank, engine):
+    torch.manual_seed(5)
+    with annot.meta_init():
+        model = small_gpt()
+    wrapped = annot.auto_wrap(model, engine)
+    torch.manual_seed(5)
+    eager = small_gpt()
+    for (name, got), (_, want) in zip(model.named_parameters(), eager.named_parameters(), strict=True):
+        full = got.full_tensor() if hasattr(got, "full_tensor") else got
+        assert torch.equal(full, want), name
+    x = torch.randint(0, 64, (2, 8))
+    assert torch.equal(wrapped(x, x)[1], eager(x, x)[1])
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1"])
+def test_an_optimizer_built_before_sharding_is_refused(one_rank, engine):
+    model = small_gpt()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(annot.OptimizerOrderError, match="Build the optimizer after wrapping"):
+        annot.auto_wrap(model, engine)
+    del opt
+    annot.auto_wrap(model, engine)  # the same model is fine once that optimizer is gone
+
+
+def test_ddp_keeps_parameters_so_an_earlier_optimizer_is_allowed(one_rank):
+    model = small_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = annot.auto_wrap(model, "ddp")
+    assert {id(p) for p in wrapped.parameters()} == {id(p) for g in opt.param_groups for p in g["params"]}
+
+
+def test_ddp_refuses_offload_it_cannot_do(one_rank):
+    model = small_gpt()
+    annot.mark(model.transformer.h[0], offload="cpu")
+    with pytest.raises(annot.EngineNotAvailableError, match="transformer.h.0.*offload=False"):
+        annot.auto_wrap(model, "ddp")
+
+
+@pytest.mark.parametrize(
+    ("engine", "options", "match"),
+    [
+        ("ddp", dict(mixed_precision="bf16"), "does not take mixed_precision"),
+        ("fsdp1", dict(mesh=object()), "does not take mesh"),
+        ("fsdp2", dict(optimizer=torch.optim.SGD), "does not take optimizer"),
+        ("fsdp2", dict(config={}), "does not take config"),
+    ],
+)
+def test_an_option_the_engine_would_ignore_is_an_error(one_rank, engine, options, match):
+    with pytest.raises(ValueError, match=match):
+        annot.auto_wrap(small_gpt(), engine, **options)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1", "ddp"])
+def test_torch_engines_refuse_nvme_offload(one_rank, engine):
+    with pytest.raises(annot.EngineNotAvailableError, match="NVMe"):
+        annot.auto_wrap(small_gpt(), engine, offload="nvme")
+    model = small_gpt()
+    annot.mark(model.transformer.h[1], offload="nvme")
+    with pytest.raises(annot.EngineNotAvailableError, match="transformer.h.1"):
+        annot.auto_wrap(model, engine)
+
+
+def test_deepspeed_needs_an_optimizer_factory(one_rank):
+    with pytest.raises(ValueError, match="optimizer="):
+        annot.auto_wrap(small_gpt(), "deepspeed")
+
+
+def test_fsdp2_mixed_precision_computes_in_bf16_and_reduces_in_fp32(one_rank):
+    model = annot.auto_wrap(small_gpt(), "fsdp2", mixed_precision="bf16")
+    policy = model.transformer.h[0]._get_fsdp_state()._fsdp_param_group.mp_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+
+
+def test_a_plan_for_another_model_is_refused(one_rank):
+    plan = annot.plan(GPT(n_layer=3, n_embd=32, n_head=2, vocab_size=64, block_size=16))
+    with pytest.raises(ValueError, match="transformer.h.2"):
+        annot.auto_wrap(small_gpt(), "fsdp2", plan)
+
+
+def test_fsdp1_refuses_offloading_only_some_units(one_rank):
+    model = small_gpt()
+    annot.mark(model.transformer.h[0], offload="cpu")
+    with pytest.raises(annot.EngineNotAvailableError, match="all parameters or none"):
+        annot.auto_wrap(model, "fsdp1")

@@ -1,0 +1,118 @@
+"""Each engine, with and without checkpointing (FSDP2 also with CPU offload), trains the
+example GPT on 2 CPU ranks exactly like one process that sees both ranks' batches.
+
+One torchrun launch runs every scenario (process start-up dominates on 2 cores); each
+test then checks one behaviour of one scenario. The reference runs in this process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_harness import CONFIG, SCENARIOS, STEPS, TOLERANCE, WORKER, reference, torchrun
+
+pytestmark = pytest.mark.distributed
+
+BLOCKS = [f"transformer.h.{i}" for i in range(CONFIG["n_layer"])]
+
+
+def family(scenario: str) -> str:
+    return "deepspeed" if SCENARIOS[scenario]["engine"] == "deepspeed" else "torch"
+
+
+class Results:
+    """Scenario results, launched per family on first use: torch engines in one torchrun,
+    DeepSpeed in another (an optional dependency; its first run on a machine also
+    compiles DeepSpeed's shared-memory op, which takes minutes on 2 cores)."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tmp = tmp_path_factory
+        self.done: dict[str, dict[str, dict]] = {}
+
+    def __getitem__(self, scenario: str) -> dict:
+        name = family(scenario)
+        if name not in self.done:
+            if name == "deepspeed":
+                pytest.importorskip("deepspeed")
+            out = self.tmp.mktemp(name) / "results.pt"
+            scenarios = [s for s in SCENARIOS if family(s) == name]
+            timeout = 600 if name == "deepspeed" else 180
+            proc = torchrun(WORKER, str(out), *scenarios, timeout=timeout)
+            assert proc.returncode == 0, proc.stdout[-6000:]
+            self.done[name] = torch.load(out)
+        return self.done[name][scenario]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Results:
+    return Results(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def ref() -> tuple[list[float], dict[str, torch.Tensor]]:
+    return reference()
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_loss_at_every_step_matches_single_process(results, ref, scenario):
+    losses, _ = ref
+    got = results[scenario]["losses"]
+    assert len(got) == STEPS
+    assert got == pytest.approx(losses, abs=TOLERANCE, rel=0)
+    assert losses[0] != pytest.approx(losses[-1], abs=1e-3)  # the steps changed the model
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_full_parameters_match_single_process(results, ref, scenario):
+    _, params = ref
+    got = results[scenario]["params"]
+    assert got.keys() == params.keys()
+    for name, expected in params.items():
+        torch.testing.assert_close(got[name], expected, atol=TOLERANCE, rtol=0, msg=name)
+
+
+FSDP1_LEVEL = "_fsdp_wrapped_module."  # FSDP1's own wrapper level, not annot's
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_parameter_and_state_dict_names_unchanged(results, scenario):
+    run = results[scenario]
+    names = run["names"]
+    if SCENARIOS[scenario]["engine"] == "fsdp1":
+        assert all(FSDP1_LEVEL in n for n in names)
+        names = [n.replace(FSDP1_LEVEL, "") for n in names]
+    assert names == run["bare_names"]
+    assert run["keys"] == run["bare_keys"]
+    assert not any("checkpoint" in m for m in run["modules"])  # no checkpoint wrapper level
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_tied_embedding_and_head_stay_one_parameter(results, scenario):
+    assert results[scenario]["tied"]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_blocks_are_recomputed_in_backward_only_when_checkpointed(results, scenario):
+    checkpointed = SCENARIOS[scenario]["checkpoint"] is not False  # the Plan checkpoints blocks
+    expected = CONFIG["n_layer"] if checkpointed else 0
+    assert results[scenario]["recomputed_per_step"] == expected
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1"])
+def test_fsdp_shards_each_block_and_the_root(results, engine):
+    assert sorted(results[engine]["fsdp_groups"]) == ["", *BLOCKS]
+    assert results["ddp"]["fsdp_groups"] == {}
+
+
+@pytest.mark.parametrize(
+    ("scenario", "offload"), [("fsdp2-checkpoint", False), ("fsdp2-offload-checkpoint", True)]
+)
+def test_fsdp2_offload_puts_every_group_on_cpu(results, scenario, offload):
+    groups = results[scenario]["fsdp_groups"]
+    assert {path: g["offload"] for path, g in groups.items()} == dict.fromkeys(["", *BLOCKS], offload)
+
+
+@pytest.mark.parametrize(("scenario", "reshard"), [("fsdp2", True), ("fsdp2-no-reshard", False)])
+def test_fsdp2_reshard_after_forward_reaches_every_block(results, scenario, reshard):
+    groups = results[scenario]["fsdp_groups"]
+    assert [groups[path]["reshard"] for path in BLOCKS] == [reshard] * len(BLOCKS)
