@@ -168,7 +168,6 @@ def auto_wrap(
     """
     from annot import _distributed
     from annot.activation_checkpoint import checkpointed_paths
-
     from annot.deferred import deferred_init_of
     from annot.materialization import materialize
 
