@@ -145,6 +145,12 @@ def estimate_memory(
     a Plan, or a policy/rule to build one (default: the model's marks / HF metadata); its
     checkpoint units are what "with checkpointing" means.
     """
+    wrappers = {"DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"}
+    if any(hasattr(p, "device_mesh") for p in model.parameters()) or any(
+            k.__name__ in wrappers for k in type(model).__mro__):
+        raise MemoryInputError(
+            "estimate_memory() takes the bare model (best built on the meta device), not one "
+            "already wrapped or sharded by an engine")
     if not isinstance(plan, Plan):
         plan = make_plan(model, plan)
     bpp = BytesPerParam.of(precision, optimizer)  # validates both names

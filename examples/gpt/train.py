@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 examples/gpt/train.py [--steps 20] [--engine fsdp2|fsdp1|ddp|deepspeed]
 
+The model is built under annot.meta_init (no memory) and materialized by auto_wrap.
 Rank 0 prints the Plan, then the loss of every step (averaged over ranks). The data is a
 fixed synthetic set of counting sequences (each token is the previous one plus a
 per-sequence stride), so the loss falls within a few steps. Runs on CPU (gloo) or GPUs
@@ -61,8 +62,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
-        model = GPT(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                    block_size=args.block_size, vocab_size=args.vocab_size)
+        # Built with no memory; auto_wrap materializes it shard by shard, with the values
+        # plain construction would give.
+        with annot.meta_init():
+            model = GPT(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                        block_size=args.block_size, vocab_size=args.vocab_size)
         if rank == 0:
             print(annot.plan(model), flush=True)
 

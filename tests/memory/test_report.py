@@ -67,3 +67,11 @@ def test_bad_inputs():
         annot.estimate_memory(_gpt(n_layer=1), precision="fp64")
     with pytest.raises(MemoryInputError, match="at least 1"):
         annot.estimate_memory(_gpt(n_layer=1), gpus=0)
+
+
+def test_a_wrapped_model_is_refused():
+    # Stands in for torch's DDP wrapper: the check goes by the wrapper classes' names.
+    wrapper = type("DistributedDataParallel", (torch.nn.Module,), {})()
+    wrapper.module = _gpt(n_layer=1)
+    with pytest.raises(MemoryInputError, match="takes the bare model"):
+        annot.estimate_memory(wrapper)
