@@ -1,4 +1,4 @@
-"""A streaming safetensors writer and a sliced reader.
+"""A streaming safetensors writer and a row-range reader.
 
 The format (documented by the safetensors project) is an 8-byte little-endian header
 length, a JSON header naming each tensor's dtype, shape and byte range, then the raw
@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 import torch
 
-__all__ = ["DTYPE_NAMES", "SafetensorsWriter", "read_rows"]
+__all__ = ["DTYPE_NAMES", "SafetensorsFile", "SafetensorsWriter"]
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -69,9 +69,57 @@ class SafetensorsWriter:
         self.file.close()
 
 
-def read_rows(handle: object, name: str, start: int, stop: int, full_dim0: int) -> torch.Tensor:
-    """Rows ``start:stop`` of tensor ``name`` from an open ``safe_open`` handle; only those
-    bytes are read from the (memory-mapped) file."""
-    if start == 0 and stop == full_dim0:
-        return handle.get_tensor(name)  # type: ignore[attr-defined]
-    return handle.get_slice(name)[start:stop]  # type: ignore[attr-defined]
+class SafetensorsFile:
+    """Read tensors, or dim-0 row ranges of them, with plain positioned reads.
+
+    No memory map: mapped pages would count in the process's resident memory and stay
+    there while the file is open; here only the rows asked for are read, straight into
+    the tensor returned.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError("file too short for a safetensors header")
+            (length,) = struct.unpack("<Q", raw)
+            if length > 100 * 2**20:
+                raise ValueError(f"header of {length} bytes is not plausible")
+            header = json.loads(f.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        header.pop("__metadata__", None)
+        self.data_start = 8 + length
+        self.entries: dict[str, dict] = header
+        self._dtypes = {v: k for k, v in DTYPE_NAMES.items()}
+        for name, entry in header.items():
+            if entry.get("dtype") not in self._dtypes:
+                raise ValueError(f"{name}: unsupported dtype {entry.get('dtype')!r}")
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` along dim 0 (all of it by default)."""
+        entry = self.entries[name]
+        shape = list(entry["shape"])
+        dtype = self._dtypes[entry["dtype"]]
+        begin, end = entry["data_offsets"]
+        if not shape:  # a scalar
+            start, stop = 0, 1
+            row_bytes = end - begin
+        else:
+            start = 0 if start is None else start
+            stop = shape[0] if stop is None else stop
+            row_bytes = (end - begin) // shape[0] if shape[0] else 0
+            shape[0] = stop - start
+        out = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + begin + start * row_bytes)
+            if out.numel() and f.readinto(out.numpy()) != out.numel():
+                raise ValueError(f"{name}: file ends before its data")
+        return out.view(dtype).reshape(shape)

@@ -3,8 +3,8 @@
 Sources: one ``.safetensors`` file; a directory of safetensors shards with a
 HuggingFace index (``model.safetensors.index.json``) or a single ``model.safetensors``;
 a torch distributed checkpoint (a directory with ``.metadata``). Each rank reads only
-the rows of its own shards (safetensors slices are memory-mapped), converts the dtype
-on the way in, and loads a tied parameter once.
+the rows of its own shards (positioned reads, no memory map), converts the dtype on the
+way in, and loads a tied parameter once.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from annot._progress import Progress
+from annot._safetensors import SafetensorsFile
 from annot.deferred import deferred_init_of
 from annot.materialization import materialize
 from policies.errors import AnnotError
@@ -87,8 +88,6 @@ def _mismatch(path: Path, missing: list[str], unexpected: list[str]) -> str:
 
 
 def _safetensors_files(path: Path) -> dict[Path, list[str]]:
-    from safetensors import safe_open
-
     if path.is_file():
         candidates = [path]
     elif (path / INDEX).is_file():
@@ -107,9 +106,8 @@ def _safetensors_files(path: Path) -> dict[Path, list[str]]:
         if not file.is_file():
             raise CheckpointError(f"{file}: listed in the index but missing")
         try:
-            with safe_open(file, framework="pt") as handle:
-                out[file] = list(handle.keys())
-        except Exception as exc:  # safetensors raises its own error types
+            out[file] = SafetensorsFile(file).keys()
+        except (ValueError, OSError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
     return out
 
@@ -183,10 +181,6 @@ def _rows(target: torch.Tensor) -> tuple[int, int] | None:
 
 def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
                            available: dict[str, Path]) -> tuple[int, int]:
-    from safetensors import safe_open
-
-    from annot._safetensors import read_rows
-
     names = _state_names(model)
     by_file: dict[Path, list[tuple[str, list[str]]]] = defaultdict(list)
     for group in groups:
@@ -197,24 +191,22 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
     total = sum(len(items) for items in by_file.values())
     with torch.no_grad(), Progress("loading", total) as progress:
         for file, items in by_file.items():
-            with safe_open(file, framework="pt") as handle:
-                for source, group in items:
-                    target = names[group[0]]
-                    full_shape = tuple(handle.get_slice(source).get_shape())
-                    if full_shape != tuple(target.shape):
-                        raise CheckpointError(
-                            f"{source}: checkpoint shape {full_shape} != model shape {tuple(target.shape)}")
-                    rows = _rows(target)
-                    start, stop = rows if rows is not None else (0, full_shape[0] if full_shape else 0)
-                    value = (read_rows(handle, source, start, stop, full_shape[0]) if full_shape
-                             else handle.get_tensor(source))
-                    read += value.numel() * value.element_size()
-                    for name in group:  # tied names may be distinct objects (to_empty)
-                        local = _local(names[name])
-                        if local.numel():
-                            local.copy_(value)
-                    loaded += 1
-                    progress.advance()
+            handle = SafetensorsFile(file)
+            for source, group in items:
+                target = names[group[0]]
+                full_shape = handle.shape(source)
+                if full_shape != tuple(target.shape):
+                    raise CheckpointError(
+                        f"{source}: checkpoint shape {full_shape} != model shape {tuple(target.shape)}")
+                rows = _rows(target)
+                value = handle.read(source, *rows) if rows is not None else handle.read(source)
+                read += value.numel() * value.element_size()
+                for name in group:  # tied names may be distinct objects (to_empty)
+                    local = _local(names[name])
+                    if local.numel():
+                        local.copy_(value)
+                loaded += 1
+                progress.advance()
     return loaded, read
 
 
