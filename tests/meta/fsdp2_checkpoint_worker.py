@@ -48,6 +48,7 @@ def main(source: str, out: str) -> None:
                                      "tied": model.lm_head.weight is model.transformer.wte.weight})
     if rank == 0:
         (Path(out) / "results.json").write_text(json.dumps(results))
+    dist.barrier()  # no rank tears down while another is still in a collective
     dist.destroy_process_group()
 
 

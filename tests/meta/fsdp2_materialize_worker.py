@@ -39,6 +39,7 @@ def main(out: str, reverse: bool) -> None:
     dist.all_gather_object(locals_, local)
     if dist.get_rank() == 0:
         torch.save({"params": full, "buffers": buffers, "local_numel": locals_}, out)
+    dist.barrier()  # no rank tears down while another is still in a collective
     dist.destroy_process_group()
 
 
