@@ -79,7 +79,7 @@ class ImportTable:
                 continue
             for small in stmt.body:
                 if isinstance(small, cst.Import):
-                    table._add_import(small)
+                    table.add_import(small)
                 elif isinstance(small, cst.ImportFrom):
                     table._add_import_from(small)
                 elif isinstance(small, cst.Assign):
@@ -94,7 +94,7 @@ class ImportTable:
         if name not in self.names:
             self.other_bindings.add(name)
 
-    def _add_import(self, node: cst.Import) -> None:
+    def add_import(self, node: cst.Import) -> None:
         for alias in node.names:
             full = dotted_name(alias.name) or ""
             parts = full.split(".")

@@ -10,14 +10,15 @@ called from another.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import libcst as cst
 
 from rewriter.imports import ImportTable, dotted_name
 
-__all__ = ["ClassMark", "checkpointed_classes", "class_marks"]
+__all__ = ["ClassMark", "checkpointed_classes", "class_marks", "file_marks", "marked_classes"]
 
 _CHECKPOINT = {"annot.checkpoint_block", "annot.markers.checkpoint_block"}
 _SHARD = {"annot.shard_block", "annot.markers.shard_block"}
@@ -80,11 +81,12 @@ def class_marks(module: cst.Module, table: ImportTable | None = None) -> list[Cl
 
 
 def might_mark(source: str) -> bool:
+    """False when ``source`` cannot mark a class (no marker name occurs in it)."""
     return any(word in source for word in _MARKER_WORDS)
 
 
-def checkpointed_classes(marks: Iterable[ClassMark]) -> dict[str, bool]:
-    """Class name -> checkpointed, merging over files and following bases by name.
+def checkpointed_classes(marks: Iterable[ClassMark]) -> frozenset[str]:
+    """Names of the checkpointed classes, merging over files and following bases by name.
 
     Names are what the source says; two classes of one name in one run are merged
     (any explicit True wins over inheritance), which is the best a text tool can do.
@@ -95,24 +97,39 @@ def checkpointed_classes(marks: Iterable[ClassMark]) -> dict[str, bool]:
     memo: dict[str, bool] = {}
 
     def resolve(name: str, seen: frozenset[str]) -> bool:
-        if name in memo:
-            return memo[name]
-        result = False
-        for mark in by_name.get(name, ()):
-            if mark.checkpoint is not None:
-                result = result or mark.checkpoint
-            else:
-                result = result or any(
-                    resolve(b, seen | {name}) for b in mark.bases if b not in seen
-                )
-        memo[name] = result
-        return result
+        if name not in memo:
+            result = False
+            for mark in by_name.get(name, ()):
+                if mark.checkpoint is not None:
+                    result = result or mark.checkpoint
+                else:
+                    result = result or any(
+                        resolve(b, seen | {name}) for b in mark.bases if b not in seen
+                    )
+            memo[name] = result
+        return memo[name]
 
-    return {name: True for name in by_name if resolve(name, frozenset())}
+    return frozenset(name for name in by_name if resolve(name, frozenset()))
 
 
-def merge(results: Iterable[Mapping[str, bool]]) -> frozenset[str]:
-    out: set[str] = set()
-    for r in results:
-        out.update(name for name, on in r.items() if on)
-    return frozenset(out)
+_CLASS_LINE = re.compile(r"^class\s+(\w+)\s*(?:\(([^)]*)\))?\s*:", re.MULTILINE)
+
+
+def file_marks(source: str) -> list[ClassMark]:
+    """`class_marks` of one file; a file naming no marker is only read for its classes'
+    bases (a regex, no parse), which is all inheritance across files needs."""
+    if might_mark(source):
+        return class_marks(cst.parse_module(source.lstrip("\ufeff")))
+    return [
+        ClassMark(
+            m[1],
+            tuple(b.strip().rpartition(".")[2] for b in (m[2] or "").split(",") if b.strip()),
+            None,
+        )
+        for m in _CLASS_LINE.finditer(source)
+    ]
+
+
+def marked_classes(*sources: str) -> frozenset[str]:
+    """The classes marked for checkpointing across ``sources`` (the files of one run)."""
+    return checkpointed_classes(m for source in sources for m in file_marks(source))

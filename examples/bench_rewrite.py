@@ -1,0 +1,134 @@
+"""Benchmark ``annot rewrite`` on every transformers ``modeling_*.py`` installed.
+
+Compares, in one run and over the same files, the whole command (``--check``, so nothing
+is written: discovery, marks pass, analysis, rewrite, codegen, diagnostics) with a bare
+libcst parse + codegen of each file, for 1 and 2 worker processes. Prints a table:
+wall seconds, files per second, and the ratio rewrite / bare, by wall time and by CPU
+time (this process and its workers; CPU time does not move when other programs share the
+machine, wall time does). Goal: ratio at most 1.3 on one worker.
+
+    python examples/bench_rewrite.py [--jobs 1 2] [--verify]
+
+``--verify`` also checks every file: no crash, the output parses, a second run changes
+nothing, ``--undo`` gives the bytes back, files without a site are unchanged; it prints
+the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import libcst as cst
+
+from rewriter import rewrite_source, undo_source
+from rewriter.cli import main as rewrite_main
+
+
+def corpus() -> list[Path]:
+    import transformers
+
+    return sorted(Path(transformers.__file__).parent.glob("models/*/modeling_*.py"))
+
+
+def bare(path: Path) -> int:
+    """What any libcst tool pays: read, parse, generate the code again."""
+    return len(cst.parse_module(path.read_text(encoding="utf-8")).code)
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and of its finished worker processes."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def timed_bare(files: list[Path], jobs: int) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), _cpu()
+    if jobs == 1:
+        for f in files:
+            bare(f)
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(bare, files, chunksize=max(1, min(16, len(files) // (jobs * 4)))))
+    return time.perf_counter() - wall, _cpu() - cpu
+
+
+def timed_rewrite(files: list[Path], jobs: int) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), _cpu()
+    with contextlib.redirect_stderr(io.StringIO()):
+        code = rewrite_main([str(f) for f in files] + ["--check", "-q", "-j", str(jobs)])
+    assert code in (0, 1), f"annot rewrite exited {code}"
+    return time.perf_counter() - wall, _cpu() - cpu
+
+
+def verify(path: Path) -> Counter[str]:
+    counts: Counter[str] = Counter(files=1)
+    source = path.read_text(encoding="utf-8")
+    try:
+        result = rewrite_source(source)
+    except Exception:
+        counts["crashed"] += 1
+        return counts
+    counts["sites wrapped"] += len(result.wrapped)
+    counts["sites skipped"] += len(result.skipped)
+    if not result.changed:
+        counts["unchanged"] += 1
+        counts["unchanged but bytes differ"] += result.code != source
+        return counts
+    counts["changed"] += 1
+    try:
+        cst.parse_module(result.code)
+        compile(result.code, str(path), "exec")
+    except Exception:
+        counts["output does not parse"] += 1
+    counts["second run changes"] += rewrite_source(result.code).code != result.code
+    counts["undo differs"] += undo_source(result.code).code != source
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--verify", action="store_true")
+    args = parser.parse_args()
+    files = corpus()
+    size = sum(f.stat().st_size for f in files) / 1e6
+    print(f"corpus: {len(files)} files, {size:.1f} MB, {os.cpu_count()} CPUs")
+    print(
+        f"{'jobs':>4} {'bare s':>8} {'rewrite s':>10} {'bare f/s':>9} {'rewrite f/s':>12} {'ratio':>6}"
+    )
+    for jobs in args.jobs:
+        t_bare = timed_bare(files, jobs)
+        t_rewrite = timed_rewrite(files, jobs)
+        print(
+            f"{jobs:>4} {t_bare:>8.2f} {t_rewrite:>10.2f} {len(files) / t_bare:>9.1f} "
+            f"{len(files) / t_rewrite:>12.1f} {t_rewrite / t_bare:>6.2f}"
+        )
+    if args.verify:
+        total: Counter[str] = Counter()
+        with ProcessPoolExecutor() as pool:
+            for counts in pool.map(verify, files, chunksize=8):
+                total.update(counts)
+        for key in (
+            "files",
+            "changed",
+            "unchanged",
+            "sites wrapped",
+            "sites skipped",
+            "crashed",
+            "output does not parse",
+            "second run changes",
+            "undo differs",
+            "unchanged but bytes differ",
+        ):
+            print(f"{key:>28}: {total[key]}")
+
+
+if __name__ == "__main__":
+    main()

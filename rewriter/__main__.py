@@ -1,0 +1,7 @@
+"""``python -m rewriter PATH...``: the same as ``annot rewrite PATH...``."""
+
+import sys
+
+from rewriter.cli import main
+
+sys.exit(main(prog="python -m rewriter"))
