@@ -11,11 +11,20 @@ engine has gathered the unit's parameters for backward.
 Checkpointing is skipped in eval mode and when autograd is off (``torch.no_grad()``,
 ``torch.inference_mode()``): nothing is saved for backward then, so there is nothing to
 recompute.
+
+It is also skipped, per call, where the forward already runs under another activation
+checkpoint (a model rewritten by ``annot rewrite``, a hand-written
+``torch.utils.checkpoint`` or ``deepspeed.checkpointing.checkpoint`` call around the
+block, HuggingFace's ``gradient_checkpointing_enable``): a second checkpoint would only
+add a recomputation. The first such call warns once per class and marks the module
+(`has_outer_checkpoint`). How it is detected, and the limits, are in
+`annot._autograd_state`.
 """
 
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -23,12 +32,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from annot._autograd_state import under_outer_checkpoint
+from annot._units import unit_paths
 from policies import Action, Plan
 
 __all__ = [
     "apply_checkpointing",
     "checkpoint_module",
     "checkpointed_paths",
+    "has_outer_checkpoint",
     "is_checkpointed",
     "torch_checkpoint",
 ]
@@ -40,6 +52,9 @@ _ORIGINAL_FORWARD = "_annot_original_forward"
 
 # Instance attribute holding the function that runs ``forward`` under checkpointing.
 _CHECKPOINT_FN = "_annot_checkpoint_fn"
+
+# Instance attribute set (True) once a call found the forward under another checkpoint.
+_OUTER_CHECKPOINT = "_annot_outer_checkpoint"
 
 CheckpointFn = Callable[..., Any]  # (function, *args, **kwargs) -> function's output
 
@@ -55,11 +70,34 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     original = self.__dict__[_ORIGINAL_FORWARD]
     if not (self.training and torch.is_grad_enabled()):
         return original(*args, **kwargs)
+    if under_outer_checkpoint():
+        _note_outer_checkpoint(self)
+        return original(*args, **kwargs)
     return self.__dict__[_CHECKPOINT_FN](original, *args, **kwargs)
 
 
+def _note_outer_checkpoint(module: nn.Module) -> None:
+    if module.__dict__.get(_OUTER_CHECKPOINT):
+        return
+    module.__dict__[_OUTER_CHECKPOINT] = True
+    # Same text for every instance of a class, so Python's warning filter shows it once.
+    warnings.warn(
+        f"annot: {type(module).__name__}'s forward already runs under an activation "
+        "checkpoint in the model's own code (e.g. one `annot rewrite` inserted); annot does "
+        "not checkpoint it a second time. Pass checkpoint=False to auto_wrap to say so.",
+        stacklevel=3,
+    )
+
+
 def is_checkpointed(module: nn.Module) -> bool:
+    """True if annot checkpoints ``module`` at run time (`checkpoint_module` ran on it)."""
     return _ORIGINAL_FORWARD in module.__dict__
+
+
+def has_outer_checkpoint(module: nn.Module) -> bool:
+    """True once a training forward of ``module`` found it already under another
+    checkpoint, so annot ran it without its own (see the module docstring)."""
+    return bool(module.__dict__.get(_OUTER_CHECKPOINT))
 
 
 def checkpoint_module(module: nn.Module, checkpoint_fn: CheckpointFn = torch_checkpoint) -> nn.Module:
@@ -81,10 +119,7 @@ def checkpoint_module(module: nn.Module, checkpoint_fn: CheckpointFn = torch_che
 
 def checkpointed_paths(plan: Plan, checkpoint: bool | None) -> list[str]:
     """Module paths to checkpoint: the Plan's (``None``), every unit (``True``) or none."""
-    if checkpoint is False:
-        return []
-    units = plan.units if checkpoint else [u for u in plan.units if u.has(Action.CHECKPOINT)]
-    return [path for unit in units for path in unit.modules]
+    return unit_paths(plan, Action.CHECKPOINT, checkpoint)
 
 
 def apply_checkpointing(

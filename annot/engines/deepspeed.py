@@ -5,7 +5,11 @@ The order of steps:
    the config's ``activation_checkpointing`` section (DESIGN.md lesson 9);
 2. checkpoint the Plan's modules at run time with DeepSpeed's checkpoint, so partitioned
    and CPU activation checkpoints apply (module names unchanged, as with torch engines);
-3. ``deepspeed.initialize``: ZeRO partitions what the stage says, then builds the
+3. mark ZeRO-3 leaf modules (``leaf_modules``, e.g. MoE blocks, whose experts run in a
+   different order each step): ZeRO-3 then gathers a leaf's parameters all at once when
+   the leaf is entered instead of hooking its submodules, which must happen before
+   ``deepspeed.initialize`` installs those hooks;
+4. ``deepspeed.initialize``: ZeRO partitions what the stage says, then builds the
    optimizer from the parameters it now manages. The optimizer is a factory called by
    DeepSpeed, so it cannot be built on the parameters before partitioning.
 """
@@ -19,10 +23,14 @@ import torch
 from torch import nn
 
 from annot.activation_checkpoint import apply_checkpointing
+from policies import Rule
+from policies.model_index import ModelIndex
 
-__all__ = ["apply_deepspeed", "deepspeed_checkpoint"]
+__all__ = ["LeafModules", "apply_deepspeed", "deepspeed_checkpoint", "set_leaf_modules"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+# Classes (or class names, as DeepSpeed takes them) or a rule selecting module instances.
+LeafModules = Rule | Sequence[type[nn.Module] | str]
 
 
 def deepspeed_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -30,10 +38,17 @@ def deepspeed_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any
 
     DeepSpeed's checkpoint is reentrant (the gradient flows only if an input tensor
     requires grad, as a block's hidden state does) and returns a bare tensor where the
-    function returned a 1-tuple (DESIGN.md lesson 9); the 1-tuple is restored here.
+    function returned a 1-tuple (DESIGN.md lesson 9); the 1-tuple is restored here, and a
+    call whose inputs need no gradient (positional or keyword) is not checkpointed.
     """
     import deepspeed
 
+    if torch.is_grad_enabled() and not any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())):
+        # Reentrant checkpointing cuts the graph when no input requires grad (an embeddings
+        # unit fed token ids or pixels): its parameters, and every parameter before the
+        # next such unit, would silently get no gradient. Such a unit runs plainly.
+        return function(*args, **kwargs)
     one_tuple = False
 
     def run(*a: Any, **k: Any) -> Any:
@@ -46,24 +61,60 @@ def deepspeed_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any
     return (out,) if one_tuple else out
 
 
+def set_leaf_modules(model: nn.Module, leaf_modules: LeafModules) -> list[str]:
+    """Mark the modules ``leaf_modules`` selects as ZeRO-3 leaves; returns their paths.
+
+    Classes and class names go to ``deepspeed.utils.set_z3_leaf_modules`` (instances of a
+    class and of its subclasses); a rule (``annot.by_name("*.experts")``) marks exactly the
+    module instances it selects. Selecting nothing is a `ValueError`.
+    """
+    from deepspeed.utils import set_z3_leaf_module, set_z3_leaf_modules
+
+    if isinstance(leaf_modules, Rule):
+        paths = list(leaf_modules.select(ModelIndex(model)))
+        for path in paths:
+            set_z3_leaf_module(model.get_submodule(path), True)
+    else:
+        if isinstance(leaf_modules, (str, type)):
+            leaf_modules = [leaf_modules]
+        chosen = {id(m) for m in set_z3_leaf_modules(model, list(leaf_modules), raise_if_not_found=False)}
+        paths = [path for path, m in model.named_modules() if id(m) in chosen]
+    if not paths:
+        raise ValueError(
+            f"leaf_modules={leaf_modules!r} selects no module of {type(model).__name__}: "
+            "pass the MoE block's class (or its name), or a rule such as by_name('*.moe')"
+        )
+    return paths
+
+
 def apply_deepspeed(
     model: nn.Module,
     *,
     checkpoint_paths: Sequence[str],
     config: dict[str, Any],
     optimizer: OptimizerFactory,
+    leaf_modules: LeafModules | None = None,
 ) -> Any:
-    """Configure checkpointing, checkpoint ``checkpoint_paths``, and return the
-    ``DeepSpeedEngine`` from ``deepspeed.initialize`` (its ``.module`` is ``model``)."""
+    """Configure checkpointing, checkpoint ``checkpoint_paths``, mark ``leaf_modules`` as
+    ZeRO-3 leaves (ZeRO stage 3 only), and return the ``DeepSpeedEngine`` from
+    ``deepspeed.initialize`` (its ``.module`` is ``model``)."""
     import deepspeed
     import torch.distributed as dist
 
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if leaf_modules is not None and stage != 3:
+        raise ValueError(
+            f"leaf_modules is a ZeRO-3 setting, but the config's ZeRO stage is {stage}: "
+            "use stage 3 (auto_wrap's reshard_after_forward=True) or drop leaf_modules"
+        )
     # DeepSpeed keeps its own communication backend; it wraps the process group torch
     # already has, and `configure` below needs it before `initialize` would set it up.
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     if checkpoint_paths:
         deepspeed.checkpointing.configure(None, deepspeed_config=config)
     apply_checkpointing(model, checkpoint_paths, deepspeed_checkpoint)
+    if leaf_modules is not None:
+        set_leaf_modules(model, leaf_modules)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=model.parameters(), config=config
     )

@@ -91,6 +91,13 @@ def apply_fsdp1(
             "the Plan offloads some units, but FSDP1 offloads all parameters or none: "
             "pass offload=True or offload=False, or use engine='fsdp2'"
         )
+    if offload and device.type == "cpu":
+        # Measured with torch 2.13: FSDP1 pins the offloaded shards unconditionally, which
+        # crashes without an accelerator ("Cannot access accelerator device").
+        raise EngineNotAvailableError(
+            "FSDP1 parameter offload pins host memory and needs a GPU: on CPU use "
+            "engine='fsdp2' (its CPUOffloadPolicy works there) or offload=False"
+        )
     wrap_policy, _ = fsdp1_policies(model, plan)
     apply_checkpointing(model, checkpoint_paths)
     if isinstance(mixed_precision, torch.dtype):

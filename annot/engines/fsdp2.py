@@ -2,7 +2,8 @@
 
 The order of steps, as torchtitan's parallelize code does it:
 1. activation checkpointing inside each unit (it must sit inside the shard unit, so the
-   recomputation runs while the unit's parameters are gathered for backward);
+   recomputation runs while the unit's parameters are gathered for backward), and the
+   activation offload hooks (`annot.activation_offload`), which leave parameters alone;
 2. ``fully_shard`` once per shard unit, children before parents (each call groups the
    parameters not yet claimed by an earlier call, so the order decides the groups);
    a tied group's modules go into one call so the shared parameter has one owner;
@@ -26,6 +27,7 @@ from torch.distributed.fsdp import (
 )
 
 from annot.activation_checkpoint import apply_checkpointing
+from annot.activation_offload import apply_activation_offload
 from policies import Action, Plan, Unit
 
 __all__ = ["apply_fsdp2", "mixed_precision_policy"]
@@ -63,11 +65,14 @@ def apply_fsdp2(
     reshard_after_forward: bool,
     mesh: DeviceMesh | None,
     device: torch.device,
+    offload_activation_paths: Sequence[str] = (),
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 following ``plan``; returns ``model``.
 
-    ``offload``: ``None`` offloads the units the Plan marks (parameters, gradients and
-    optimizer state on CPU), ``True`` every unit and the root, ``False`` none.
+    ``offload`` is parameter offload (FSDP2's ``CPUOffloadPolicy``: parameters, gradients
+    and optimizer state on CPU): ``None`` for the units the Plan marks, ``True`` every
+    unit and the root, ``False`` none. ``offload_activation_paths`` is activation
+    offload: the modules whose saved activations wait on the host, whatever ``offload``.
     ``reshard_after_forward``: ``True`` frees gathered parameters after each unit's
     forward (ZeRO-3-like), ``False`` keeps them until backward (ZeRO-2-like). The root is
     left to FSDP2, which does not reshard it: backward needs it at once.
@@ -76,6 +81,7 @@ def apply_fsdp2(
     mp_policy = mixed_precision_policy(mixed_precision)
 
     apply_checkpointing(model, checkpoint_paths)
+    apply_activation_offload(model, offload_activation_paths)
 
     for unit in plan.units:
         if not unit.has(Action.SHARD):

@@ -42,6 +42,9 @@ SCENARIOS: dict[str, dict] = {
     "fsdp1-checkpoint": dict(engine="fsdp1", checkpoint=None),
     "ddp": dict(engine="ddp", checkpoint=False),
     "ddp-checkpoint": dict(engine="ddp", checkpoint=None),
+    # Activation offload (saved tensors copied to the host and back) on every block.
+    "ddp-offload-activations": dict(engine="ddp", checkpoint=False, offload_activations=True),
+    "fsdp2-offload-activations": dict(engine="fsdp2", checkpoint=False, offload_activations=True),
     # DeepSpeed: reshard_after_forward picks ZeRO-3 (True) or ZeRO-2 (False). A
     # checkpointed one first: DeepSpeed's checkpointing must be configured in a process
     # where no earlier deepspeed.initialize has set DeepSpeed's backend up.
@@ -50,6 +53,8 @@ SCENARIOS: dict[str, dict] = {
     "zero2": dict(engine="deepspeed", checkpoint=False, reshard_after_forward=False),
     "zero2-checkpoint": dict(engine="deepspeed", checkpoint=None, reshard_after_forward=False),
     "zero3-offload-checkpoint": dict(engine="deepspeed", checkpoint=None, offload=True),
+    # Every block's MLP a ZeRO-3 leaf (gathered whole on entry), by class name.
+    "zero3-leaf-checkpoint": dict(engine="deepspeed", checkpoint=None, leaf_modules=["MLP"]),
 }
 
 

@@ -6,8 +6,9 @@ For each scenario (see `engine_harness.SCENARIOS`) it builds the example GPT, wr
 with `annot.auto_wrap`, builds the optimizer, trains on this rank's slice of each batch,
 and records (rank 0 writes OUT with torch.save): the global loss per step, the full
 parameters afterwards, the parameter and state_dict names after wrapping, whether the
-tied weights are still one parameter, and how many block MLP forwards ran during
-backward (recomputation).
+tied weights are still one parameter, how many block MLP forwards ran during
+backward (recomputation), the bytes activation offload copied to the host per step, and
+the modules DeepSpeed treats as ZeRO-3 leaves.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, Shardin
 from torch.distributed.tensor import DTensor
 
 import annot
+from annot.activation_offload import activation_offloader
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -109,6 +111,13 @@ def run(name: str) -> dict:
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
 
+    offloader = activation_offloader(model)
+    offloaded = offloader.packed_bytes if offloader is not None else 0
+    leaves = []
+    if engine == "deepspeed":
+        from deepspeed.utils import z3_leaf_module
+
+        leaves = [path for path, m in model.named_modules() if z3_leaf_module(m)]
     params = full_parameters(wrapped, model, engine)
     named = model if engine in ("ddp", "deepspeed") else wrapped
     return {
@@ -122,6 +131,8 @@ def run(name: str) -> dict:
         "tied": model.lm_head.weight is model.transformer.wte.weight,
         "fsdp_groups": groups,
         "recomputed_per_step": recomputed / len(losses),
+        "offloaded_bytes_per_step": offloaded / len(losses),
+        "z3_leaves": leaves,
     }
 
 

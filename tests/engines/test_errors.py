@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from engine_harness import free_port
 
 import annot
 from examples.gpt.model import GPT
@@ -17,15 +16,6 @@ pytestmark = pytest.mark.distributed
 
 def small_gpt() -> GPT:
     return GPT(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
 
 
 def test_unknown_engine_names_the_choices():
@@ -82,11 +72,10 @@ def test_ddp_keeps_parameters_so_an_earlier_optimizer_is_allowed(one_rank):
     assert {id(p) for p in wrapped.parameters()} == {id(p) for g in opt.param_groups for p in g["params"]}
 
 
-def test_ddp_refuses_offload_it_cannot_do(one_rank):
-    model = small_gpt()
-    annot.mark(model.transformer.h[0], offload="cpu")
-    with pytest.raises(annot.EngineNotAvailableError, match="transformer.h.0.*offload=False"):
-        annot.auto_wrap(model, "ddp")
+@pytest.mark.parametrize("engine", ["fsdp1", "deepspeed"])
+def test_activation_offload_is_refused_where_not_wired(one_rank, engine):
+    with pytest.raises(annot.EngineNotAvailableError, match="offload_activations.*'fsdp2' or 'ddp'"):
+        annot.auto_wrap(small_gpt(), engine, offload_activations=True)
 
 
 @pytest.mark.parametrize(
@@ -96,6 +85,7 @@ def test_ddp_refuses_offload_it_cannot_do(one_rank):
         ("fsdp1", dict(mesh=object()), "does not take mesh"),
         ("fsdp2", dict(optimizer=torch.optim.SGD), "does not take optimizer"),
         ("fsdp2", dict(config={}), "does not take config"),
+        ("fsdp2", dict(leaf_modules=["MLP"]), "does not take leaf_modules"),
     ],
 )
 def test_an_option_the_engine_would_ignore_is_an_error(one_rank, engine, options, match):
@@ -135,3 +125,8 @@ def test_fsdp1_refuses_offloading_only_some_units(one_rank):
     annot.mark(model.transformer.h[0], offload="cpu")
     with pytest.raises(annot.EngineNotAvailableError, match="all parameters or none"):
         annot.auto_wrap(model, "fsdp1")
+
+
+def test_fsdp1_offload_on_cpu_is_refused_rather_than_crashing_in_torch(one_rank):
+    with pytest.raises(annot.EngineNotAvailableError, match="FSDP1 parameter offload.*engine='fsdp2'"):
+        annot.auto_wrap(small_gpt(), "fsdp1", offload=True, device="cpu")

@@ -1,5 +1,6 @@
-"""Each engine, with and without checkpointing (FSDP2 also with CPU offload), trains the
-example GPT on 2 CPU ranks exactly like one process that sees both ranks' batches.
+"""Each engine, with and without checkpointing (FSDP2 also with CPU offload; DDP and FSDP2
+with activation offload; ZeRO-3 with leaf modules), trains the example GPT on 2 CPU ranks
+exactly like one process that sees both ranks' batches.
 
 One torchrun launch runs every scenario (process start-up dominates on 2 cores); each
 test then checks one behaviour of one scenario. The reference runs in this process.
@@ -9,7 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_harness import CONFIG, SCENARIOS, STEPS, TOLERANCE, WORKER, reference, torchrun
+from engine_harness import (
+    BATCH_PER_RANK,
+    CONFIG,
+    SCENARIOS,
+    STEPS,
+    TOLERANCE,
+    WORKER,
+    reference,
+    torchrun,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -116,3 +126,21 @@ def test_fsdp2_offload_puts_every_group_on_cpu(results, scenario, offload):
 def test_fsdp2_reshard_after_forward_reaches_every_block(results, scenario, reshard):
     groups = results[scenario]["fsdp_groups"]
     assert [groups[path]["reshard"] for path in BLOCKS] == [reshard] * len(BLOCKS)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_activation_offload_moves_bytes_only_where_asked(results, scenario):
+    offloaded = results[scenario]["offloaded_bytes_per_step"]
+    if SCENARIOS[scenario].get("offload_activations"):
+        # Every block's saved activations: at least the block inputs, batch x length x n_embd
+        # floats per block (a loose floor; the exact count is in test_activation_offload).
+        per_block = BATCH_PER_RANK * CONFIG["block_size"] * CONFIG["n_embd"] * 4
+        assert offloaded >= CONFIG["n_layer"] * per_block
+    else:
+        assert offloaded == 0
+
+
+@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if family(s) == "deepspeed"])
+def test_zero3_leaf_modules_are_what_deepspeed_sees_as_leaves(results, scenario):
+    expected = [f"{b}.mlp" for b in BLOCKS] if SCENARIOS[scenario].get("leaf_modules") else []
+    assert results[scenario]["z3_leaves"] == expected

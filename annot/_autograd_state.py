@@ -1,0 +1,49 @@
+"""Whether the code running now is already under someone else's activation checkpoint.
+
+annot's run-time checkpointing and activation offload both ask this before acting on a
+unit's forward, so that a model whose source already checkpoints its blocks (``annot
+rewrite``, a hand-written ``torch.utils.checkpoint`` call, HuggingFace's
+``gradient_checkpointing_enable``) is not checkpointed a second time, and so that offload
+hooks never sit on top of a checkpoint's own saved-tensor hooks (which would keep, on the
+host, what the checkpoint means to drop).
+
+Detection is per call and costs two C calls. What it recognises:
+
+- any recomputation running inside backward (torch's non-reentrant and reentrant
+  checkpoint, DeepSpeed's): autograd's current graph task id is set;
+- the first forward under torch's non-reentrant checkpoint: the innermost saved-tensor
+  hooks are the checkpoint's own (defined in ``torch.utils.checkpoint``);
+- the first forward under a reentrant checkpoint (torch ``use_reentrant=True``,
+  DeepSpeed's) runs with autograd off, which callers already treat as "nothing to do".
+
+Limits: a third party's saved-tensor hooks pushed *inside* a torch checkpoint hide it
+(the unit is then checkpointed once more: correct numbers, one more recomputation); a
+forward that a user deliberately runs inside a backward hook is treated as a
+recomputation. ``torch._C._autograd._top_saved_tensors_default_hooks`` and
+``torch._C._current_graph_task_id`` are private torch APIs, stable since torch 2.0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["in_backward", "under_outer_checkpoint"]
+
+# The module that defines torch's checkpoint hooks (its pack hooks are closures there).
+_TORCH_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (a checkpoint's recomputation included)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def under_outer_checkpoint() -> bool:
+    """True while a forward runs under an activation checkpoint someone else set up:
+    torch's non-reentrant checkpoint (first pass), or any recomputation in backward."""
+    if in_backward():
+        return True
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return False
+    return getattr(top[0], "__module__", None) == _TORCH_CHECKPOINT_MODULE

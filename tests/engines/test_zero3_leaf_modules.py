@@ -1,0 +1,41 @@
+"""Choosing ZeRO-3 leaf modules (DeepSpeed gathers a leaf's parameters whole on entry).
+The 2-rank training run with leaves is the ``zero3-leaf-checkpoint`` parity scenario."""
+
+from __future__ import annotations
+
+import pytest
+from test_activation_checkpoint import N_LAYER, gpt
+
+import annot
+from annot.engines.deepspeed import apply_deepspeed, set_leaf_modules
+from examples.gpt.model import MLP
+
+pytest.importorskip("deepspeed")
+from deepspeed.utils import get_z3_leaf_modules  # noqa: E402
+
+MLPS = [f"transformer.h.{i}.mlp" for i in range(N_LAYER)]
+
+
+@pytest.mark.parametrize("leaf_modules", [[MLP], ["MLP"], MLP])
+def test_classes_and_class_names_mark_every_instance(leaf_modules):
+    model = gpt()
+    assert set_leaf_modules(model, leaf_modules) == MLPS
+    assert get_z3_leaf_modules(model) == [model.get_submodule(p) for p in MLPS]
+
+
+def test_a_rule_marks_exactly_the_modules_it_selects():
+    model = gpt()
+    assert set_leaf_modules(model, annot.by_name("transformer.h.1.mlp")) == ["transformer.h.1.mlp"]
+    assert get_z3_leaf_modules(model) == [model.transformer.h[1].mlp]
+
+
+@pytest.mark.parametrize("leaf_modules", [["Expert"], annot.by_name("*.experts")])
+def test_selecting_nothing_is_an_error(leaf_modules):
+    with pytest.raises(ValueError, match="selects no module of GPT"):
+        set_leaf_modules(gpt(), leaf_modules)
+
+
+def test_leaf_modules_outside_zero3_are_refused_before_deepspeed_starts():
+    config = annot.deepspeed_config(gpt(), stage=2)
+    with pytest.raises(ValueError, match="ZeRO-3 setting.*stage is 2"):
+        apply_deepspeed(gpt(), checkpoint_paths=[], config=config, optimizer=None, leaf_modules=[MLP])
