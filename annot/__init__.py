@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         OptimizerOrderError,
         ProcessGroupNotInitializedError,
     )
+    from annot.huggingface import PretrainedPathError, from_pretrained
     from annot.loading import CheckpointError, load
     from annot.markers import checkpoint_block, get_mark, mark, offload_block, shard_block, unmark
     from annot.materialization import materialize
@@ -68,6 +69,8 @@ _EXPORTS = {
     "load": "annot.loading",
     "save": "annot.saving",
     "CheckpointError": "annot.loading",
+    "from_pretrained": "annot.huggingface",
+    "PretrainedPathError": "annot.huggingface",
     "estimate_memory": "annot.memory",
     "auto_wrap": "annot.wrap",
     "fsdp1_policies": "annot.engines.fsdp1",
@@ -88,6 +91,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "Policy",
+    "PretrainedPathError",
     "ProcessGroupNotInitializedError",
     "auto_wrap",
     "by_class",
@@ -99,6 +103,7 @@ __all__ = [
     "estimate_memory",
     "every_nth",
     "fsdp1_policies",
+    "from_pretrained",
     "get_mark",
     "load",
     "mark",

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from policies.errors import AnnotError
@@ -131,8 +131,13 @@ class _Recorder(TorchDispatchMode):
             whole = (t.is_contiguous() and t.storage_offset() == 0
                      and t.numel() * t.element_size() == t.untyped_storage().nbytes())
             self.layout[i] = TensorLayout(tuple(t.shape), tuple(t.stride()), t.dtype, whole)
-            if not isinstance(t, FakeTensor):  # a real tensor from outside: a constant
-                self.constants[i] = t.detach().clone()
+            # A real tensor from outside, or a fake one standing for a literal
+            # (`torch.tensor(5.0)` under FakeTensorMode keeps its value in `.constant`
+            # and reaches the tape only through `lift_fresh`): a constant.
+            value = t if not isinstance(t, FakeTensor) else getattr(t, "constant", None)
+            if value is not None:
+                with _disable_current_modes():  # a real copy, not a fake one
+                    self.constants[i] = value.detach().clone()
                 self.written.add(self.group_of[i])
         return Ref(i)
 
@@ -183,8 +188,10 @@ def meta_init() -> Iterator[None]:
     rng_state = torch.get_rng_state()
     built: list[nn.Module] = []
     original_call = _capture_roots(built)
+    from annot._opaque_init import opaque_inits
+
     try:
-        with fake_mode, recorder:
+        with opaque_inits(), fake_mode, recorder:
             yield
             for root in _roots(built):
                 _init_untouched(root, recorder)

@@ -24,7 +24,7 @@ from annot.deferred import deferred_init_of
 from annot.materialization import materialize
 from policies.errors import AnnotError
 
-__all__ = ["CheckpointError", "LoadReport", "load"]
+__all__ = ["CheckpointError", "LoadReport", "check_keys", "load"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -60,21 +60,49 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
         raise CheckpointError(f"{path}: no such file or directory")
     if (path / ".metadata").is_file():
         return _load_dcp(model, path, strict)
-    files = _safetensors_files(path)
-    names = _state_names(model)
-    available: dict[str, Path] = {}
-    for file, keys in files.items():
-        for key in keys:
-            available[key] = file
-    groups = _tied_groups(model, names)
-    missing = [group[0] for group in groups if not any(n in available for n in group)]
-    unexpected = sorted(set(available) - set(names))
+    match = _match(model, path)
+    missing, unexpected, groups, available = match.missing, match.unexpected, match.groups, match.available
     if strict and (missing or unexpected):
         raise CheckpointError(_mismatch(path, missing, unexpected))
     provided = {n for group in groups if any(m in available for m in group) for n in group}
     _allocate(model, device, skip=provided)
-    loaded, read = _fill_from_safetensors(model, groups, available)
+    loaded, read = _fill_from_safetensors(model, groups, available, match.file_key)
     return LoadReport(tuple(missing), tuple(unexpected), loaded, read)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Match:
+    """How a safetensors checkpoint's keys meet a model's state names."""
+
+    missing: list[str]  # one name per tied group the checkpoint lacks
+    unexpected: list[str]
+    groups: list[list[str]]  # names sharing one tensor
+    available: dict[str, Path]  # model name -> file holding it
+    file_key: dict[str, str]  # model name -> its key in that file
+
+
+def _match(model: nn.Module, path: Path) -> _Match:
+    files = _safetensors_files(path)
+    names = _state_names(model)
+    rename = _key_renamer(model)
+    available: dict[str, Path] = {}
+    file_key: dict[str, str] = {}
+    for file, keys in files.items():
+        for key in keys:
+            name = rename(key) if rename is not None else key
+            available[name] = file
+            file_key[name] = key
+    groups = _tied_groups(model, names)
+    missing = [group[0] for group in groups if not any(n in available for n in group)]
+    unexpected = sorted(set(available) - set(names))
+    return _Match(missing, unexpected, groups, available, file_key)
+
+
+def check_keys(model: nn.Module, path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
+    """``(missing, unexpected)`` keys of the safetensors checkpoint at ``path`` against
+    ``model``, reading only file headers (nothing allocated)."""
+    match = _match(model, Path(path))
+    return match.missing, match.unexpected
 
 
 def _mismatch(path: Path, missing: list[str], unexpected: list[str]) -> str:
@@ -179,8 +207,16 @@ def _rows(target: torch.Tensor) -> tuple[int, int] | None:
     return offset[0] if shape[0] else 0, (offset[0] + shape[0]) if shape[0] else 0
 
 
+def _key_renamer(model: nn.Module):
+    """transformers' checkpoint-to-model key renaming for a ``PreTrainedModel`` (files
+    written by ``save_pretrained`` may use legacy names); None for any other model."""
+    from annot.huggingface import checkpoint_renamer, is_pretrained_model
+
+    return checkpoint_renamer(model) if is_pretrained_model(model) else None
+
+
 def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
-                           available: dict[str, Path]) -> tuple[int, int]:
+                           available: dict[str, Path], file_key: dict[str, str]) -> tuple[int, int]:
     names = _state_names(model)
     by_file: dict[Path, list[tuple[str, list[str]]]] = defaultdict(list)
     for group in groups:
@@ -192,8 +228,9 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
     with torch.no_grad(), Progress("loading", total) as progress:
         for file, items in by_file.items():
             handle = SafetensorsFile(file)
-            for source, group in items:
+            for name_in_model, group in items:
                 target = names[group[0]]
+                source = file_key[name_in_model]
                 full_shape = handle.shape(source)
                 if full_shape != tuple(target.shape):
                     raise CheckpointError(

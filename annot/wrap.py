@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -9,12 +10,14 @@ import torch
 from torch import nn
 
 from annot.errors import EngineNotAvailableError
-from policies import Action, Plan, Policy, Rule, make_plan
+from policies import Plan, Policy, Rule, make_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ENGINES", "auto_wrap", "resolve_engine", "resolve_plan"]
+    from annot.engines.deepspeed import LeafModules
+
+__all__ = ["ENGINES", "auto_wrap", "load_logged", "resolve_engine", "resolve_plan"]
 
 Engine = Literal["fsdp2", "ddp", "fsdp1", "deepspeed"]
 
@@ -110,12 +113,15 @@ def auto_wrap(
     *,
     checkpoint: bool | None = None,
     offload: bool | str | None = None,
+    offload_activations: bool | None = None,
     mixed_precision: Any = None,
     reshard_after_forward: bool = True,
     mesh: DeviceMesh | None = None,
     device: torch.device | str | None = None,
     config: dict[str, Any] | None = None,
+    leaf_modules: LeafModules | None = None,
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    load_from: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Plan ``model``, apply the Plan to ``engine``, and return what to train.
 
@@ -144,12 +150,27 @@ def auto_wrap(
        so each rank allocates only its shards plus about one parameter (values bitwise
        those of eager construction, on any number of ranks); with DDP, FSDP1 and
        DeepSpeed before wrapping, which allocates the whole model on every rank (their
-       unit-by-unit materialization is not written yet).
+       unit-by-unit materialization is not written yet). With ``load_from`` (a safetensors
+       checkpoint `annot.load` reads) the model is loaded at that same point instead: each
+       FSDP2 rank reads only its own rows, and the initialization of what the checkpoint
+       provides is never run (`annot.from_pretrained` passes the model directory here).
+       As transformers does, parameters the checkpoint lacks keep their initialization
+       and keys the model lacks are ignored; both are logged as a warning (call
+       `annot.loading.check_keys` first to refuse them).
+
+    A transformers ``PreTrainedModel`` is adjusted first (`annot.huggingface.
+    prepare_for_training`, logged): its own gradient checkpointing is turned off when
+    annot checkpoints, and ``config.use_cache`` is set to False when anything does.
 
     Options (an option the chosen engine cannot honour is an error, never ignored):
     ``checkpoint`` ``None`` follows the Plan, ``True`` checkpoints every unit, ``False``
     none. ``offload`` ``None`` offloads what the Plan marks (FSDP1: all or none),
-    ``True``/``"cpu"`` everything, ``"nvme"`` (DeepSpeed only), ``False`` nothing.
+    ``True``/``"cpu"`` everything, ``"nvme"`` (DeepSpeed only), ``False`` nothing: that
+    is parameter offload (with optimizer state), except for DDP, which keeps parameters
+    on the device and reads the Plan's offload marks as activation offload.
+    ``offload_activations`` (DDP, FSDP2; `annot.activation_offload`) keeps what autograd
+    saves in a unit's forward on the host until backward: ``True`` every unit, ``False``
+    none, ``None`` the Plan's offload units for DDP and none for FSDP2.
     ``mixed_precision`` ``None`` (as the parameters are), ``"bf16"``/``"fp16"``/a dtype
     (compute in it, reduce gradients in fp32) or the FSDP engine's own policy object.
     ``reshard_after_forward`` ``True`` frees gathered parameters after each unit's forward
@@ -157,7 +178,9 @@ def auto_wrap(
     ``mesh`` (FSDP2) defaults to a 1-D mesh over all ranks; ``device`` to this rank's GPU
     (``LOCAL_RANK``) or the CPU. ``config`` (DeepSpeed) replaces the config
     `annot.deepspeed_config` would build; ``optimizer`` (DeepSpeed, required) builds the
-    optimizer from the parameters.
+    optimizer from the parameters. ``leaf_modules`` (DeepSpeed ZeRO-3) are classes, class
+    names or a rule selecting modules (MoE blocks) that ZeRO-3 gathers whole on entry
+    (``deepspeed.utils.set_z3_leaf_modules``) instead of hooking their submodules.
 
     Returns the model itself for FSDP2 (sharded in place), a ``DistributedDataParallel``
     for DDP and a ``DeepSpeedEngine`` for DeepSpeed (their ``.module`` is the model), all
@@ -169,6 +192,7 @@ def auto_wrap(
     from annot import _distributed
     from annot.activation_checkpoint import checkpointed_paths
     from annot.deferred import deferred_init_of
+    from annot.huggingface import is_pretrained_model, prepare_for_training
     from annot.materialization import materialize
 
     name = resolve_engine(engine)
@@ -183,10 +207,17 @@ def auto_wrap(
     dtype = _resolve_dtype(mixed_precision)
     dev = _distributed.default_device(device)
     paths = checkpointed_paths(plan, checkpoint)
-    if deferred and name != "fsdp2":
+    if name == "deepspeed":
+        paths = _without_shared_parameters(model, paths)
+    if is_pretrained_model(model):
+        prepare_for_training(model, checkpointing=bool(paths))
+    if load_from is not None and name != "fsdp2":
+        load_logged(model, load_from, dev)
+    elif deferred and name != "fsdp2":
         materialize(model, device=dev)
+    offload_activation_paths = _activation_offload_paths(plan, name, offload_activations)
     if name != "deepspeed":
-        _refuse_unused(name, config=config, optimizer=optimizer)
+        _refuse_unused(name, config=config, optimizer=optimizer, leaf_modules=leaf_modules)
         _check_plan_offload(plan, name, offload_to)
 
     if name == "ddp":
@@ -194,7 +225,10 @@ def auto_wrap(
 
         # DDP replicates the whole model: use torch.autocast for mixed precision.
         _refuse_unused(name, offload=offload_to, mixed_precision=dtype, mesh=mesh)
-        return apply_ddp(model, checkpoint_paths=paths, device=dev)
+        return apply_ddp(
+            model, checkpoint_paths=paths, device=dev,
+            offload_activation_paths=offload_activation_paths,
+        )
 
     # What FSDP1 and FSDP2 both take.
     fsdp_options: dict[str, Any] = dict(
@@ -233,14 +267,59 @@ def auto_wrap(
                 "engine 'deepspeed' with config=: set offload and precision in the config "
                 "(annot.deepspeed_config(..., offload=..., precision=...)), not here"
             )
-        return apply_deepspeed(model, checkpoint_paths=paths, config=config, optimizer=optimizer)
+        return apply_deepspeed(
+            model, checkpoint_paths=paths, config=config, optimizer=optimizer,
+            leaf_modules=leaf_modules,
+        )
 
     from annot.engines.fsdp2 import apply_fsdp2
 
-    wrapped = apply_fsdp2(model, plan, mesh=mesh, **fsdp_options)
-    if deferred:
+    wrapped = apply_fsdp2(
+        model, plan, mesh=mesh, offload_activation_paths=offload_activation_paths, **fsdp_options
+    )
+    if load_from is not None:
+        load_logged(wrapped, load_from, dev)
+    elif deferred:
         materialize(wrapped, device=dev)
     return wrapped
+
+
+def _without_shared_parameters(model: nn.Module, paths: list[str]) -> list[str]:
+    """``paths`` less the modules holding a parameter also used outside them (a tied
+    embedding and head). DeepSpeed's checkpoint is reentrant: its recomputation runs a
+    backward of its own, so such a parameter's gradient hook fires twice in one step and
+    ZeRO-3 stops on a duplicate in its reduce bucket. Dropped paths are logged."""
+    import logging
+
+    holders: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), set()).add(name.rpartition(".")[0])
+    shared = [mods for mods in holders.values() if len(mods) > 1]
+    keep = []
+    for path in paths:
+        inside = [any(m == path or m.startswith(path + ".") for m in mods) for mods in shared]
+        outside = [any(not (m == path or m.startswith(path + ".")) for m in mods) for mods in shared]
+        if any(i and o for i, o in zip(inside, outside, strict=True)):
+            logging.getLogger("annot").warning(
+                "not checkpointing %s with DeepSpeed: it shares a parameter with a module "
+                "outside it (tied weights), which reentrant checkpointing cannot handle", path)
+        else:
+            keep.append(path)
+    return keep
+
+
+def load_logged(model: nn.Module, path: str | os.PathLike[str], device: torch.device | None) -> None:
+    """`annot.load` without strictness; what did not match is logged, not silent."""
+    import logging
+
+    from annot.loading import load
+
+    report = load(model, path, strict=False, device=device)
+    for what, keys in (("kept their initialization (not in the checkpoint)", report.missing),
+                       ("were ignored (not in the model)", report.unexpected)):
+        if keys:
+            shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+            logging.getLogger("annot").warning("loading %s: %s %s", path, shown, what)
 
 
 def _has_meta(model: nn.Module) -> bool:
@@ -257,14 +336,29 @@ def _check_plan_offload(plan: Plan, engine: str, offload: bool | str | None) -> 
     """Offload the Plan asks for (``offload=None``) that this torch engine cannot do."""
     if offload is not None:
         return
-    if engine == "ddp":
-        wanted = [u.path for u in plan.units if u.has(Action.OFFLOAD)]
-        why = "activation offload with DDP is not implemented yet (issue 4)"
-    else:
-        wanted = [u.path for u in plan.units if u.offload_to == "nvme"]
-        why = f"{engine} offloads to CPU only (NVMe offload is engine='deepspeed')"
+    wanted = [u.path for u in plan.units if u.offload_to == "nvme"]
+    why = f"{engine} offloads to CPU only (NVMe offload is engine='deepspeed')"
     if wanted:
         raise EngineNotAvailableError(
             f"the Plan offloads {', '.join(wanted)}, but {why}: pass offload=False to train "
             "without it, or mark those modules offload='cpu'"
         )
+
+
+def _activation_offload_paths(plan: Plan, engine: str, offload_activations: bool | None) -> list[str]:
+    """Modules whose activations to offload. The Plan's offload marks mean activation
+    offload only for DDP; FSDP2 reads them as parameter offload (``CPUOffloadPolicy``)."""
+    from annot.activation_offload import offloaded_activation_paths
+
+    if engine == "ddp":
+        return offloaded_activation_paths(plan, offload_activations)
+    if engine == "fsdp2":
+        return offloaded_activation_paths(plan, bool(offload_activations))
+    if offload_activations:
+        raise EngineNotAvailableError(
+            f"offload_activations with engine {engine!r} is not supported: use engine='fsdp2' "
+            "or 'ddp'"
+            + (", or DeepSpeed's own annot.deepspeed_config(..., cpu_checkpointing=True)"
+               if engine == "deepspeed" else "")
+        )
+    return []

@@ -19,7 +19,14 @@ from policies.marks import Action, effective_mark
 from policies.model_index import ModelIndex, is_under, parent_path, qualified_class_name
 from policies.plan import Plan, RootInfo, Unit
 from policies.policy import Policy
-from policies.rules import Rule, check_selection, marked, no_split_modules, repeated_blocks
+from policies.rules import (
+    Rule,
+    check_selection,
+    keep_in_fp32_modules,
+    marked,
+    no_split_modules,
+    repeated_blocks,
+)
 
 __all__ = ["default_policy", "make_plan"]
 
@@ -40,7 +47,7 @@ def default_policy(model: nn.Module) -> Policy:
                 "repeated-block trunk (repeated_blocks); pass a policy to choose the blocks")
         trunk = repeated_blocks(note=note)
         if trunk.select(index):
-            return Policy(shard=trunk, checkpoint=trunk, group_tied=True)
+            return Policy(shard=trunk | keep_in_fp32_modules(), checkpoint=trunk, group_tied=True)
     raise PlanError(
         f"{type(model).__name__} has no marked blocks and no HuggingFace _no_split_modules, "
         "so there is nothing to decide from: mark the block class (@annot.shard_block), "

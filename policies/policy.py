@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from policies.marks import OFFLOAD_TARGETS, Action
-from policies.rules import Rule, marked, no_split_modules
+from policies.rules import Rule, keep_in_fp32_modules, marked, no_split_modules
 
 __all__ = ["Override", "Policy"]
 
@@ -102,7 +102,12 @@ class Policy:
     @classmethod
     def from_hf(cls, *, checkpoint: bool = True, group_tied: bool = True, **options: object) -> Policy:
         """HuggingFace metadata: shard (and by default checkpoint) the `_no_split_modules`.
-        Tied embeddings and heads (``tie_word_embeddings``) are grouped into one unit."""
-        rule = no_split_modules()
-        return cls(shard=rule, checkpoint=rule if checkpoint else None,  # type: ignore[arg-type]
+        Tied embeddings and heads (``tie_word_embeddings``) are grouped into one unit;
+        ``_keep_in_fp32_modules`` held in fp32 in a lower-precision model are units of
+        their own."""
+        blocks = no_split_modules()
+        # Modules kept in fp32 inside a bf16/fp16 model become units of their own
+        # (selects nothing in an all-fp32 model), so no unit mixes dtypes.
+        return cls(shard=blocks | keep_in_fp32_modules(),
+                   checkpoint=blocks if checkpoint else None,  # type: ignore[arg-type]
                    group_tied=group_tied, **options)

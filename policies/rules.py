@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 
+import torch
 from torch import nn
 
 from policies.errors import PlanError
@@ -23,7 +24,10 @@ __all__ = [
     "by_name",
     "by_size",
     "every_nth",
+    "declared_names",
+    "keep_in_fp32_modules",
     "marked",
+    "modules_named",
     "no_split_modules",
     "repeated_blocks",
 ]
@@ -263,19 +267,68 @@ def marked(action: Action | str | None = None) -> Rule:
     return _Marked(action)
 
 
-def _collect_no_split(index: ModelIndex) -> list[str]:
-    """Union of every ``_no_split_modules`` in the model, the root's and its children's."""
+def declared_names(model: nn.Module, attribute: str) -> list[str]:
+    """Union of the class names or module names listed in ``attribute`` (a HuggingFace
+    list such as ``_no_split_modules``) over ``model`` and every submodule, in first-seen
+    order. transformers 5 stores a set per instance; older releases a list on the class."""
     names: list[str] = []
-    for _, module in index:
-        value = getattr(module, "_no_split_modules", None)
+    for module in model.modules():
+        value = getattr(module, attribute, None)
         if isinstance(value, str):
             value = [value]
-        elif isinstance(value, (set, frozenset)):  # transformers 5 stores a set per instance
+        elif isinstance(value, (set, frozenset)):
             value = sorted(value)
         for name in value or ():
             if isinstance(name, str) and name not in names:
                 names.append(name)
     return names
+
+
+def modules_named(model: nn.Module, names: list[str]) -> list[str]:
+    """Outermost module paths having one of ``names`` as a path component (how
+    transformers matches ``_keep_in_fp32_modules``: ``"wo"`` matches
+    ``encoder.block.0.layer.1.DenseReluDense.wo``); a dotted name matches a path suffix."""
+    chosen: list[str] = []
+    for path, _ in model.named_modules():
+        if not path or any(path.startswith(c + ".") for c in chosen):
+            continue
+        parts = path.split(".")
+        if any(name in parts or path == name or path.endswith("." + name) for name in names):
+            chosen.append(path)
+    return chosen
+
+
+class _KeepInFp32Modules(Rule):
+    name = "keep_in_fp32_modules"
+
+    def select(self, index: ModelIndex) -> Selection:
+        # Only when they differ from the rest: in an all-fp32 model they are plain modules
+        # and a unit of their own would only add communication.
+        model = index.model
+        names = declared_names(model, "_keep_in_fp32_modules") + [
+            n for n in declared_names(model, "_keep_in_fp32_modules_strict")
+            if n not in declared_names(model, "_keep_in_fp32_modules")]
+        floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if not names or floating <= {torch.float32}:
+            return {}
+        out = {}
+        for path in modules_named(model, names):
+            params = list(index.modules[path].parameters())
+            if params and all(p.dtype == torch.float32 for p in params):
+                out[path] = f"keep_in_fp32_modules({path.rpartition('.')[2]})"
+        return out
+
+
+def keep_in_fp32_modules() -> Rule:
+    """HuggingFace ``_keep_in_fp32_modules`` (and ``_strict``) kept in float32 inside a
+    lower-precision model: each becomes a unit of its own, so no unit mixes dtypes. Selects
+    nothing when the model is all float32."""
+    return _KeepInFp32Modules()
+
+
+def _collect_no_split(index: ModelIndex) -> list[str]:
+    """Union of every ``_no_split_modules`` in the model, the root's and its children's."""
+    return declared_names(index.model, "_no_split_modules")
 
 
 class _NoSplitModules(Rule):

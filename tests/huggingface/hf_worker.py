@@ -1,0 +1,110 @@
+"""Run under torchrun by the HuggingFace tests (2 CPU ranks, gloo).
+
+    python -m torch.distributed.run --nproc_per_node 2 hf_worker.py OUT ENGINE ARCH [ARCH ...]
+        [--pretrained DIR ...]
+
+For each architecture (see `hf_archs.ARCHS`): build the model from the shared seed, wrap
+it with ``annot.auto_wrap(model, ENGINE, checkpoint=True)``, train 3 steps on this
+rank's rows, and record the global loss per step and how many module forwards ran
+during backward (recomputation). For each ``--pretrained`` directory (named
+``<arch>``): ``annot.from_pretrained(DIR, ENGINE)`` and the logits of a probe batch.
+One architecture's failure is recorded (with its traceback) and the others still run.
+Rank 0 writes OUT with torch.save.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hf_archs import ARCHS, batches, count_recomputation, make_optimizer, probe_inputs, rank_rows
+
+import annot
+
+
+def train(name: str, engine: str) -> dict:
+    arch = ARCHS[name]
+    model = arch.build()
+    recomputed = count_recomputation(model, arch.layer)
+    if engine == "deepspeed":
+        wrapped = annot.auto_wrap(model, engine, checkpoint=True, optimizer=make_optimizer)
+        backward, step = wrapped.backward, wrapped.step
+    else:
+        wrapped = annot.auto_wrap(model, engine, checkpoint=True)
+        opt = make_optimizer(wrapped.parameters())
+        backward = torch.Tensor.backward
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad()
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for batch in batches(name):
+        loss = wrapped(**rank_rows(batch, rank)).loss
+        recomputed(True)
+        backward(loss)
+        recomputed(False)
+        step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return {"losses": losses, "recomputed": recomputed(False),
+            "use_cache": getattr(model.config, "use_cache", None)}
+
+
+def pretrained(directory: Path, engine: str) -> dict:
+    name = directory.name
+    options = {"optimizer": make_optimizer} if engine == "deepspeed" else {}
+    wrapped = annot.from_pretrained(directory, engine, **options)
+    wrapped.eval()  # DeepSpeedEngine.eval() returns None
+    model = getattr(wrapped, "module", wrapped)
+    # Before any forward: FSDP2 keeps the root's parameters gathered after a forward
+    # that no backward follows.
+    whole = [n for n, p in model.named_parameters()
+             if not hasattr(p, "to_local") or p.to_local().numel() == p.numel()]
+    with torch.no_grad():
+        logits = wrapped(**probe_inputs(name)).logits
+    return {"logits": logits.detach().clone(), "whole": whole, "state": full_state(model, engine)}
+
+
+def full_state(model: torch.nn.Module, engine: str) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, whole (a collective: every rank calls it)."""
+    import contextlib
+
+    gathered = contextlib.nullcontext()
+    if engine == "deepspeed":
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
+    with gathered:
+        return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+                for n, t in model.state_dict().items()}
+
+
+def guarded(fn, *args) -> dict:
+    try:
+        return fn(*args)
+    except Exception:  # recorded, so the test shows which architecture failed and why
+        return {"error": traceback.format_exc()}
+
+
+def main() -> None:
+    out, engine, *rest = sys.argv[1:]
+    names = rest[:rest.index("--pretrained")] if "--pretrained" in rest else rest
+    dirs = [Path(d) for d in rest[rest.index("--pretrained") + 1:]] if "--pretrained" in rest else []
+    dist.init_process_group("gloo")
+    try:
+        results = {"train": {n: guarded(train, n, engine) for n in names},
+                   "pretrained": {d.name: guarded(pretrained, d, engine) for d in dirs}}
+        if dist.get_rank() == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""`annot.from_pretrained` gives exactly the model transformers loads from the same files:
+in one process (engine=None) for every architecture, and sharded on 2 ranks with FSDP2
+(no rank holding any whole parameter) and with DeepSpeed ZeRO-3."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import PRETRAINED_DISTRIBUTED
+from hf_archs import ARCHS, TOLERANCE, probe_inputs
+
+import annot
+
+
+def transformers_logits(name: str, directory, **options) -> torch.Tensor:
+    model = ARCHS[name].model_cls().from_pretrained(directory, **options)
+    with torch.no_grad():
+        return model(**probe_inputs(name)).logits
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_logits_equal_transformers(saved_models, name):
+    ours = annot.from_pretrained(saved_models[name], engine=None)
+    assert type(ours).__name__ == ARCHS[name].model_class
+    assert not ours.training  # like transformers' from_pretrained
+    with torch.no_grad():
+        logits = ours(**probe_inputs(name)).logits
+    assert torch.equal(logits, transformers_logits(name, saved_models[name]))
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    model = ARCHS["llama"].build()
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    ours = annot.from_pretrained(tmp_path, engine=None)
+    with torch.no_grad():
+        assert torch.equal(ours(**probe_inputs("llama")).logits, transformers_logits("llama", tmp_path))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_dtype_as_transformers(saved_models, dtype):
+    """T5 in half precision: its ``wo`` stay fp32 in fp16 (``_keep_in_fp32_modules``),
+    and the logits are transformers' own."""
+    ours = annot.from_pretrained(saved_models["t5"], engine=None, torch_dtype=dtype)
+    dtypes = {n: p.dtype for n, p in ours.named_parameters()}
+    kept = {n for n in dtypes if ".wo." in n}
+    assert kept and all(dtypes[n] == (torch.float32 if dtype == torch.float16 else dtype) for n in kept)
+    assert all(dtypes[n] == dtype for n in dtypes if n not in kept)
+    theirs = ARCHS["t5"].model_cls().from_pretrained(saved_models["t5"], dtype=dtype)
+    assert {n: p.dtype for n, p in theirs.named_parameters()} == dtypes
+    with torch.no_grad():
+        assert torch.equal(ours(**probe_inputs("t5")).logits, theirs(**probe_inputs("t5")).logits)
+
+
+def test_saved_architecture_is_the_default_class(saved_models):
+    assert type(annot.from_pretrained(saved_models["bert"], engine=None)).__name__ == "BertForMaskedLM"
+
+
+def test_architectures_absent_falls_back_to_auto_classes(saved_models, tmp_path):
+    import shutil
+
+    shutil.copytree(saved_models["gpt2"], tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config.pop("architectures")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    assert type(annot.from_pretrained(tmp_path / "m", engine=None)).__name__ == "GPT2LMHeadModel"
+
+
+def test_path_without_config_is_refused(tmp_path):
+    with pytest.raises(annot.PretrainedPathError, match="no config.json"):
+        annot.from_pretrained(tmp_path, engine=None)
+    with pytest.raises(annot.PretrainedPathError, match="not a local directory"):
+        annot.from_pretrained(tmp_path / "absent", engine=None)
+    assert issubclass(annot.PretrainedPathError, annot.AnnotError)
+
+
+def test_missing_weights_are_initialized_and_logged_or_refused_when_strict(
+        saved_models, tmp_path, caplog):
+    """A model with one more layer than the files: transformers initializes it and warns;
+    so does annot, and ``strict=True`` refuses before allocating anything."""
+    import shutil
+
+    shutil.copytree(saved_models["llama"], tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["num_hidden_layers"] = 3
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(annot.CheckpointError, match=r"missing \['model\.layers\.2\."):
+        annot.from_pretrained(tmp_path / "m", engine=None, strict=True)
+    with caplog.at_level("WARNING", logger="annot"):
+        model = annot.from_pretrained(tmp_path / "m", engine=None)
+    assert "model.layers.2." in caplog.text and "kept their initialization" in caplog.text
+    assert not any(t.is_meta for t in model.state_dict().values())
+
+
+def test_head_the_files_lack_is_initialized_as_transformers_does(saved_models):
+    """A masked-LM checkpoint into the bare BertModel: the pooler is new (initialized), the
+    MLM head is ignored; the encoder's weights are the files'."""
+    ours = annot.from_pretrained(saved_models["bert"], engine=None, auto_class="AutoModel")
+    theirs = ARCHS["bert"].model_cls().from_pretrained(saved_models["bert"]).bert
+    assert type(ours).__name__ == "BertModel"
+    for name, value in theirs.state_dict().items():
+        if not name.startswith("pooler."):
+            assert torch.equal(ours.state_dict()[name], value), name
+
+
+def test_engine_none_takes_no_wrap_options(saved_models):
+    with pytest.raises(ValueError, match="engine=None takes no auto_wrap options"):
+        annot.from_pretrained(saved_models["llama"], engine=None, checkpoint=True)
+
+
+def _check_distributed(result: dict, name: str, directory) -> None:
+    """The loaded state is bitwise transformers'; the logits agree to float rounding
+    (a sharded engine's forward may take other kernels: FSDP2's T5 differs by ~7e-7 with
+    a bitwise-equal state, while the single-process test above asserts exact logits)."""
+    assert "error" not in result, result.get("error")
+    theirs = ARCHS[name].model_cls().from_pretrained(directory)
+    expected = theirs.state_dict()
+    assert set(result["state"]) == set(expected)
+    assert [k for k, v in expected.items() if not torch.equal(result["state"][k], v)] == []
+    with torch.no_grad():
+        logits = theirs(**probe_inputs(name)).logits
+    torch.testing.assert_close(result["logits"], logits, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", PRETRAINED_DISTRIBUTED)
+def test_fsdp2_from_pretrained_on_two_ranks(fsdp2_run, saved_models, name):
+    result = fsdp2_run["pretrained"][name]
+    _check_distributed(result, name, saved_models[name])
+    assert result["whole"] == [], "a rank holds these parameters whole"
+
+
+@pytest.mark.distributed
+def test_zero3_from_pretrained_on_two_ranks(zero3_run, saved_models):
+    _check_distributed(zero3_run["pretrained"]["llama"], "llama", saved_models["llama"])
