@@ -100,6 +100,9 @@ class DeferredInit:
     tensors: dict[str, int]  # parameter/buffer name -> ref index (tied names share one)
     module_of: dict[str, str]  # parameter/buffer name -> owning module path
     layout: dict[int, TensorLayout]  # ref index -> shape, stride, dtype, whole-storage flag
+    # Set when an engine gave the model storage unit by unit (FSDP1, ZeRO-3) and its
+    # values are not filled yet; `materialize` (or `annot.load`) clears it.
+    pending: bool = False
 
     def uninitialized(self) -> list[str]:
         """Names of parameters/buffers nothing ever wrote."""
@@ -211,8 +214,11 @@ def build(cls: Callable[..., M], *args: Any, **kwargs: Any) -> M:
 
 
 def deferred_init_of(model: nn.Module) -> DeferredInit | None:
-    """The record `meta_init` attached to ``model``, if any."""
+    """The record `meta_init` attached to ``model`` (or to the model an FSDP1 root wraps),
+    if any."""
     record = vars(model).get(TAPE_ATTR)
+    if record is None and "_fsdp_wrapped_module" in model._modules:
+        record = vars(model._modules["_fsdp_wrapped_module"]).get(TAPE_ATTR)
     return record if isinstance(record, DeferredInit) else None
 
 

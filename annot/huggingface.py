@@ -85,10 +85,10 @@ def from_pretrained(
     then ``annot.auto_wrap(model, engine, load_from=path, **auto_wrap_options)``.
 
     Memory: with ``engine="fsdp2"`` each rank allocates and reads only its shards, no rank
-    ever holds the whole model. ``"ddp"`` replicates the model, so every rank loads all of
-    it. ``"fsdp1"`` and ``"deepspeed"`` (ZeRO-3 too) load the whole model on every rank
-    before the engine partitions it (their unit-by-unit path is not written yet); the
-    initialization of loaded weights is skipped in every case.
+    ever holds the whole model; with ``"fsdp1"`` and DeepSpeed ZeRO-3 a rank also holds
+    one unit's full tensors while the engine shards it, then reads the rows its shards
+    cover. ``"ddp"`` and ZeRO-1/2 keep whole parameters, so every rank loads all of it.
+    The initialization of loaded weights is skipped in every case.
 
     Keys: as with transformers, weights the files lack (a new head) keep their
     initialization and keys the model lacks (a head it does not have) are ignored, both
@@ -110,7 +110,7 @@ def from_pretrained(
     if engine is None:
         if auto_wrap_options:
             raise ValueError(f"engine=None takes no auto_wrap options, got {', '.join(auto_wrap_options)}")
-        from annot.wrap import load_logged
+        from annot.loading import load_logged
 
         load_logged(model, path, None)
         return model.eval()

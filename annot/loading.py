@@ -3,14 +3,17 @@
 Sources: one ``.safetensors`` file; a directory of safetensors shards with a
 HuggingFace index (``model.safetensors.index.json``) or a single ``model.safetensors``;
 a torch distributed checkpoint (a directory with ``.metadata``). Each rank reads only
-the rows of its own shards (positioned reads, no memory map), converts the dtype on the
-way in, and loads a tied parameter once.
+the rows of its own shards (positioned reads, no memory map): an FSDP2 DTensor's rows,
+or the rows covering the flat range an FSDP1 shard or a DeepSpeed ZeRO-3 partition
+holds. It converts the dtype on the way in and loads a tied parameter once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -21,13 +24,15 @@ from torch import nn
 from annot._progress import Progress
 from annot._safetensors import SafetensorsFile
 from annot.deferred import deferred_init_of
-from annot.materialization import materialize
+from annot.materialization import FlatPart, flat_parts, materialize
 from policies.errors import AnnotError
 
-__all__ = ["CheckpointError", "LoadReport", "check_keys", "load"]
+__all__ = ["CheckpointError", "LoadReport", "check_keys", "load", "load_logged"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# FSDP1 inserts a module under this name above each module it wraps; not part of any key.
+_FSDP1_WRAPPED = "_fsdp_wrapped_module"
 
 
 class CheckpointError(AnnotError, ValueError):
@@ -68,6 +73,16 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
     _allocate(model, device, skip=provided)
     loaded, read = _fill_from_safetensors(model, groups, available, match.file_key)
     return LoadReport(tuple(missing), tuple(unexpected), loaded, read)
+
+
+def load_logged(model: nn.Module, path: str | os.PathLike[str], device: torch.device | None) -> None:
+    """`annot.load` without strictness; what did not match is logged, not silent."""
+    report = load(model, path, strict=False, device=device)
+    for what, keys in (("kept their initialization (not in the checkpoint)", report.missing),
+                       ("were ignored (not in the model)", report.unexpected)):
+        if keys:
+            shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+            logging.getLogger("annot").warning("loading %s: %s %s", path, shown, what)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +159,7 @@ def _state_names(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every name a state dict of ``model`` has (tied names included), with its tensor."""
     out: dict[str, torch.Tensor] = {}
     for path, module in model.named_modules(remove_duplicate=False):
+        path = ".".join(part for part in path.split(".") if part != _FSDP1_WRAPPED)
         prefix = f"{path}." if path else ""
         for name, param in module._parameters.items():
             if param is not None:
@@ -168,10 +184,13 @@ def _tied_groups(model: nn.Module, names: dict[str, torch.Tensor]) -> list[list[
 
 
 def _allocate(model: nn.Module, device: torch.device | str | None, skip: set[str]) -> None:
+    """Give a meta model storage (or, after an engine allocated it unit by unit, values)
+    for what the checkpoint does not provide; ``skip`` names what it does."""
     tensors = list(model.parameters()) + list(model.buffers())
-    if not any(_local(t).is_meta for t in tensors):
+    record = deferred_init_of(model)
+    if not any(_local(t).is_meta for t in tensors) and not (record is not None and record.pending):
         return
-    if deferred_init_of(model) is not None:
+    if record is not None:
         materialize(model, device=device, skip=skip)
         return
     meta_buffers = [
@@ -212,12 +231,14 @@ def _key_renamer(model: nn.Module):
     written by ``save_pretrained`` may use legacy names); None for any other model."""
     from annot.huggingface import checkpoint_renamer, is_pretrained_model
 
+    model = model._modules.get(_FSDP1_WRAPPED, model)  # an FSDP1 root: the model it wraps
     return checkpoint_renamer(model) if is_pretrained_model(model) else None
 
 
 def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
                            available: dict[str, Path], file_key: dict[str, str]) -> tuple[int, int]:
     names = _state_names(model)
+    parts = flat_parts(model)
     by_file: dict[Path, list[tuple[str, list[str]]]] = defaultdict(list)
     for group in groups:
         source = next((n for n in group if n in available), None)
@@ -232,9 +253,16 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
                 target = names[group[0]]
                 source = file_key[name_in_model]
                 full_shape = handle.shape(source)
-                if full_shape != tuple(target.shape):
+                target_parts = parts.get(id(target))
+                model_shape = target_parts[0].full_shape if target_parts else tuple(target.shape)
+                if full_shape != model_shape:
                     raise CheckpointError(
-                        f"{source}: checkpoint shape {full_shape} != model shape {tuple(target.shape)}")
+                        f"{source}: checkpoint shape {full_shape} != model shape {model_shape}")
+                if target_parts is not None:  # tied names share the parameter and its parts
+                    read += _fill_flat_parts(handle, source, target_parts)
+                    loaded += 1
+                    progress.advance()
+                    continue
                 rows = _rows(target)
                 value = handle.read(source, *rows) if rows is not None else handle.read(source)
                 read += value.numel() * value.element_size()
@@ -245,6 +273,24 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
                 loaded += 1
                 progress.advance()
     return loaded, read
+
+
+def _fill_flat_parts(handle: SafetensorsFile, source: str, parts: list[FlatPart]) -> int:
+    """Read the rows covering each flat part of ``source`` into it; returns bytes read."""
+    read = 0
+    for part in parts:
+        if part.stop <= part.start:
+            continue
+        per_row = math.prod(part.full_shape[1:])
+        if part.full_shape:
+            first, last = part.start // per_row, -(-part.stop // per_row)
+            rows = handle.read(source, first, last).reshape(-1)
+            offset = first * per_row
+        else:  # a scalar
+            rows, offset = handle.read(source).reshape(-1), 0
+        read += rows.numel() * rows.element_size()
+        part.destination[:part.stop - part.start].copy_(rows[part.start - offset:part.stop - offset])
+    return read
 
 
 def _load_dcp(model: nn.Module, path: Path, strict: bool) -> LoadReport:

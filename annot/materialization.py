@@ -5,7 +5,8 @@ state, in order (so the random stream, and so every value, is exactly eager
 construction's). A tensor's storage is allocated when an operation first produces it
 and released right after its last use on the tape; at that moment each parameter or
 buffer living in it is copied into the model: whole for a plain module, only this
-rank's slice for a sharded one (an FSDP2 DTensor). Peak memory is therefore the model's
+rank's share for a sharded one (an FSDP2 DTensor's slice; the part of a flattened
+parameter FSDP1 or DeepSpeed ZeRO-3 keeps on this rank). Peak memory is therefore the model's
 shard plus about one parameter, whatever the number of ranks, and the result does not
 depend on the number of ranks.
 """
@@ -24,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from annot._progress import Progress
 from annot.deferred import UNINITIALIZED, DeferredInit, DeferredInitError, Ref, deferred_init_of
 
-__all__ = ["ReplayStats", "materialize", "replay_stats"]
+__all__ = ["FlatPart", "ReplayStats", "flat_parts", "materialize", "replay_stats"]
 
 STATS_ATTR = "__annot_materialize_stats__"
 
@@ -71,8 +72,9 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     skipped_groups = _skippable({record.group_of[record.tensors[n]] for n in skip}, record)
     # A tied name skipped means its twin is filled from the checkpoint too.
     fill = {n: t for n, t in targets.items() if record.group_of[record.tensors[n]] not in skipped_groups}
-    stats = _replay(record, fill, progress, skipped_groups)
+    stats = _replay(record, fill, progress, skipped_groups, flat_parts(model))
     model.__dict__[STATS_ATTR] = stats
+    record.pending = False
     leftover = [n for n, t in _targets(model, record).items() if _local(t).is_meta]
     if leftover:
         raise DeferredInitError(f"still on the meta device after materializing: {', '.join(leftover)}")
@@ -131,11 +133,75 @@ def _sharded_device(model: nn.Module) -> torch.device | None:
     return None
 
 
-def _fill(target: torch.Tensor, full: torch.Tensor) -> None:
+@dataclasses.dataclass(frozen=True)
+class FlatPart:
+    """Elements ``[start, stop)`` of a flattened full tensor of ``full_shape``, which this
+    rank keeps in the first ``stop - start`` elements of ``destination`` (1-D)."""
+
+    destination: torch.Tensor
+    start: int
+    stop: int
+    full_shape: tuple[int, ...]
+
+
+def flat_parts(model: nn.Module) -> dict[int, list[FlatPart]]:
+    """``id(parameter) -> where this rank keeps it``, for engines that shard flattened
+    parameters (FSDP1, DeepSpeed ZeRO-3); parameters absent are whole or DTensors."""
+    return {**_fsdp1_parts(model), **_zero3_parts(model)}
+
+
+def _fsdp1_parts(model: nn.Module) -> dict[int, list[FlatPart]]:
+    """FSDP1 (``use_orig_params=True``) keeps each original parameter as a 1-D view of the
+    part of it that lies in this rank's flat shard (empty when none of it is here)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    parts: dict[int, list[FlatPart]] = {}
+    for fsdp_module in FullyShardedDataParallel.fsdp_modules(model):
+        handle = fsdp_module._handle
+        if handle is None:
+            continue
+        if not handle._use_orig_params:
+            raise DeferredInitError(
+                "materialize needs FSDP1 with use_orig_params=True (auto_wrap sets it)")
+        flat = handle.flat_param
+        # Private to FSDP1 (torch >= 2.1): where each original parameter lies in the shard.
+        for param, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes, strict=True):
+            span = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
+            parts[id(param)] = [FlatPart(param, *span, tuple(shape))]
+    return parts
+
+
+def _zero3_parts(model: nn.Module) -> dict[int, list[FlatPart]]:
+    """DeepSpeed ZeRO-3 keeps partition ``r`` of each flattened, padded parameter in its
+    ``ds_tensor`` on rank ``r`` of the parameter's group; a persisted (small) parameter
+    also keeps its full value in ``.data``."""
+    parts: dict[int, list[FlatPart]] = {}
+    for param in model.parameters():
+        partition = getattr(param, "ds_tensor", None)
+        if partition is None:
+            continue
+        import deepspeed.comm
+
+        numel, shape = param.ds_numel, tuple(param.ds_shape)
+        start = partition.ds_numel * deepspeed.comm.get_rank(group=param.ds_process_group)
+        found = [FlatPart(partition, min(start, numel), min(start + partition.ds_numel, numel), shape)]
+        if param.data.numel() == numel:
+            found.append(FlatPart(param.data.view(-1), 0, numel, shape))
+        parts[id(param)] = found
+    return parts
+
+
+def _fill(target: torch.Tensor, full: torch.Tensor, parts: list[FlatPart] | None = None) -> None:
     """Copy ``full`` (the whole tensor, on CPU) into ``target``, or just this rank's
-    slice of it when ``target`` is a sharded DTensor."""
+    share of it: a sharded DTensor's local slice, or the flat ``parts`` of an engine that
+    shards flattened parameters."""
     with torch.no_grad():
-        if hasattr(target, "device_mesh"):
+        if parts is not None:
+            flat = full.reshape(-1)
+            for part in parts:
+                if part.stop > part.start:
+                    part.destination[:part.stop - part.start].copy_(flat[part.start:part.stop])
+        elif hasattr(target, "device_mesh"):
             from torch.distributed.tensor import distribute_tensor
 
             # src_data_rank=None: every rank holds the same full value and slices it
@@ -205,7 +271,8 @@ class _Schedule:
 
 
 def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool | None,
-            skipped: set[int] | None = None) -> ReplayStats:
+            skipped: set[int] | None = None,
+            flat_parts: dict[int, list[FlatPart]] | None = None) -> ReplayStats:
     schedule = _Schedule(record)
     names_by_group: dict[int, list[str]] = defaultdict(list)
     for name, ref in record.tensors.items():
@@ -268,7 +335,9 @@ def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool |
                 stats.peak_bytes = max(stats.peak_bytes, _alive_bytes(env))
                 for group in release_at.get(i, ()):
                     for name in names_by_group.get(group, ()):
-                        _fill(targets[name], resolve(Ref(record.tensors[name])))
+                        target = targets[name]
+                        _fill(target, resolve(Ref(record.tensors[name])),
+                              (flat_parts or {}).get(id(target)))
                     for index in refs_of.pop(group, ()):
                         env.pop(index, None)
                         lazy.pop(index, None)

@@ -19,6 +19,7 @@ from torch import nn
 from annot._progress import Progress
 from annot._safetensors import SafetensorsWriter
 from annot.loading import INDEX, SINGLE, CheckpointError, _state_names
+from annot.materialization import flat_parts
 
 __all__ = ["save"]
 
@@ -41,6 +42,10 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *, max_shard_bytes
     tensors = _unique(model)
     if any(_local(t).is_meta for t in tensors.values()):
         raise CheckpointError("the model still has meta tensors: materialize or load it before saving")
+    if flat_parts(model):
+        raise CheckpointError(
+            "annot.save writes plain and FSDP2 models; for FSDP1 or DeepSpeed ZeRO-3 use the "
+            "engine's own checkpointing (FSDP1 full state dict, DeepSpeed save_checkpoint)")
 
     def out_dtype(t: torch.Tensor) -> torch.dtype:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype

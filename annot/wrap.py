@@ -10,14 +10,15 @@ import torch
 from torch import nn
 
 from annot.errors import EngineNotAvailableError
-from policies import Plan, Policy, Rule, make_plan
+from annot.loading import load_logged
+from policies import Action, Plan, Policy, Rule, make_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from annot.engines.deepspeed import LeafModules
 
-__all__ = ["ENGINES", "auto_wrap", "load_logged", "resolve_engine", "resolve_plan"]
+__all__ = ["ENGINES", "auto_wrap", "resolve_engine", "resolve_plan"]
 
 Engine = Literal["fsdp2", "ddp", "fsdp1", "deepspeed"]
 
@@ -148,13 +149,16 @@ def auto_wrap(
        ``deepspeed.initialize``.
     6. A model built under `annot.meta_init` is materialized: with FSDP2 after sharding,
        so each rank allocates only its shards plus about one parameter (values bitwise
-       those of eager construction, on any number of ranks); with DDP, FSDP1 and
-       DeepSpeed before wrapping, which allocates the whole model on every rank (their
-       unit-by-unit materialization is not written yet). With ``load_from`` (a safetensors
-       checkpoint `annot.load` reads) the model is loaded at that same point instead: each
-       FSDP2 rank reads only its own rows, and the initialization of what the checkpoint
-       provides is never run (`annot.from_pretrained` passes the model directory here).
-       As transformers does, parameters the checkpoint lacks keep their initialization
+       those of eager construction, on any number of ranks); with FSDP1 likewise after
+       wrapping (FSDP1 allocates one unit's full tensors at a time while it shards, then
+       the shards are filled); with DeepSpeed ZeRO-3 likewise, unit by unit before
+       ``deepspeed.initialize`` (`annot.engines.deepspeed.partition_unit_by_unit`); with
+       DDP and ZeRO-1/2, which keep whole parameters on every rank, before wrapping.
+       With ``load_from`` (a safetensors checkpoint `annot.load` reads) the model is
+       loaded at that same point instead: with FSDP2, FSDP1 and ZeRO-3 each rank reads
+       only the rows its shards cover, with DDP and ZeRO-1/2 the whole model; the
+       initialization of what the checkpoint provides is never run
+       (`annot.from_pretrained` passes the model directory here). As transformers does, parameters the checkpoint lacks keep their initialization
        and keys the model lacks are ignored; both are logged as a warning (call
        `annot.loading.check_keys` first to refuse them).
 
@@ -193,7 +197,6 @@ def auto_wrap(
     from annot.activation_checkpoint import checkpointed_paths
     from annot.deferred import deferred_init_of
     from annot.huggingface import is_pretrained_model, prepare_for_training
-    from annot.materialization import materialize
 
     name = resolve_engine(engine)
     _distributed.require_process_group(name)
@@ -211,10 +214,11 @@ def auto_wrap(
         paths = _without_shared_parameters(model, paths)
     if is_pretrained_model(model):
         prepare_for_training(model, checkpointing=bool(paths))
-    if load_from is not None and name != "fsdp2":
+    if load_from is not None and not deferred:  # a model with storage: loaded in place now
         load_logged(model, load_from, dev)
-    elif deferred and name != "fsdp2":
-        materialize(model, device=dev)
+        load_from = None
+    if deferred and name == "ddp":  # DDP replicates: the whole model on every rank
+        _fill(model, load_from, dev)
     offload_activation_paths = _activation_offload_paths(plan, name, offload_activations)
     if name != "deepspeed":
         _refuse_unused(name, config=config, optimizer=optimizer, leaf_modules=leaf_modules)
@@ -242,7 +246,10 @@ def auto_wrap(
         from annot.engines.fsdp1 import apply_fsdp1
 
         _refuse_unused(name, mesh=mesh)
-        return apply_fsdp1(model, plan, **fsdp_options)
+        wrapped = apply_fsdp1(model, plan, **fsdp_options)
+        if deferred:
+            _fill(wrapped, load_from, dev)
+        return wrapped
 
     if name == "deepspeed":
         from annot.engines.deepspeed import apply_deepspeed
@@ -269,7 +276,8 @@ def auto_wrap(
             )
         return apply_deepspeed(
             model, checkpoint_paths=paths, config=config, optimizer=optimizer,
-            leaf_modules=leaf_modules,
+            leaf_modules=leaf_modules, device=dev, load_from=load_from,
+            unit_paths=[m for u in plan.units if u.has(Action.SHARD) for m in u.modules],
         )
 
     from annot.engines.fsdp2 import apply_fsdp2
@@ -277,11 +285,20 @@ def auto_wrap(
     wrapped = apply_fsdp2(
         model, plan, mesh=mesh, offload_activation_paths=offload_activation_paths, **fsdp_options
     )
-    if load_from is not None:
-        load_logged(wrapped, load_from, dev)
-    elif deferred:
-        materialize(wrapped, device=dev)
+    if deferred:
+        _fill(wrapped, load_from, dev)
     return wrapped
+
+
+def _fill(model: nn.Module, load_from: str | os.PathLike[str] | None, device: torch.device) -> None:
+    """Values for a `meta_init` model an engine has given storage (or not yet): loaded
+    from ``load_from`` (what it lacks initialized), else initialized from the record."""
+    from annot.materialization import materialize
+
+    if load_from is not None:
+        load_logged(model, load_from, device)
+    else:
+        materialize(model, device=device)
 
 
 def _without_shared_parameters(model: nn.Module, paths: list[str]) -> list[str]:
@@ -306,20 +323,6 @@ def _without_shared_parameters(model: nn.Module, paths: list[str]) -> list[str]:
         else:
             keep.append(path)
     return keep
-
-
-def load_logged(model: nn.Module, path: str | os.PathLike[str], device: torch.device | None) -> None:
-    """`annot.load` without strictness; what did not match is logged, not silent."""
-    import logging
-
-    from annot.loading import load
-
-    report = load(model, path, strict=False, device=device)
-    for what, keys in (("kept their initialization (not in the checkpoint)", report.missing),
-                       ("were ignored (not in the model)", report.unexpected)):
-        if keys:
-            shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-            logging.getLogger("annot").warning("loading %s: %s %s", path, shown, what)
 
 
 def _has_meta(model: nn.Module) -> bool:

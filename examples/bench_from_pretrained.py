@@ -13,8 +13,10 @@ holds one), then loads it on N CPU ranks (torchrun, gloo), one launch per way:
   on the meta device, all shard it with FSDP2, and torch's ``set_model_state_dict``
   (``broadcast_from_rank0``) scatters rank 0's tensors (the usual recipe).
 
-Prints one row per rank and way: bytes read, peak RSS, peak RSS above the process's
-footprint before loading, and time. Bytes read: the ``rchar`` count of ``/proc/self/io``
+After loading, each rank reads every tensor it holds once (as a first training step
+would), so memory-mapped weights are paged in and counted. Prints one row per rank and
+way: bytes read, peak RSS, peak RSS above the process's footprint before loading, and
+time (loading and that one read). Bytes read: the ``rchar`` count of ``/proc/self/io``
 (every ``read``/``pread``); transformers reads safetensors through a memory map, which
 ``rchar`` does not see, so for its rows the column shows the bytes of the tensors it
 loaded, marked ``*``.
@@ -112,6 +114,11 @@ def worker(way: str, directory: str) -> None:
         set_model_state_dict(model, full, options=StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True))
         del full
+    # Read every tensor this rank holds once, as the first training step will: a
+    # memory-mapped checkpoint is paged in, and counted in RSS, only when touched.
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            (tensor.to_local() if hasattr(tensor, "to_local") else tensor).sum()
     dist.barrier()
     elapsed = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -121,6 +128,7 @@ def worker(way: str, directory: str) -> None:
     dist.all_gather_object(rows, row)
     if rank == 0:
         print("RESULT " + json.dumps(rows), flush=True)
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
     dist.destroy_process_group()
 
 

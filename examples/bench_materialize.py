@@ -4,6 +4,11 @@
 
 Methods, each in its own torchrun launch (so peak RSS is per method):
   annot      annot.meta_init -> fully_shard per block -> annot.materialize
+  annot_fsdp1  annot.meta_init -> annot.auto_wrap(engine="fsdp1"): FSDP1 allocates one
+             unit at a time while it shards, then annot.materialize fills the shards
+  annot_zero3  annot.meta_init -> what auto_wrap(engine="deepspeed") does before
+             deepspeed.initialize: each block allocated and partitioned by
+             deepspeed.zero.Init(module=block) in turn, then annot.materialize
   eager      build on the CPU (whole model on every rank) -> fully_shard
   fsdp2      the bare FSDP2 recipe: meta device -> fully_shard -> to_empty -> reset_parameters
   zero_init  deepspeed.zero.Init (ZeRO-3 partitioning at construction)
@@ -44,7 +49,7 @@ def worker(args: argparse.Namespace) -> None:
 
     shape = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                  vocab_size=args.vocab_size, block_size=args.block_size)
-    if args.method == "zero_init":
+    if args.method in ("zero_init", "annot_zero3"):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
@@ -66,6 +71,21 @@ def worker(args: argparse.Namespace) -> None:
         with annot.meta_init():
             model = GPT(**shape)
         annot.materialize(shard(model))
+    elif args.method == "annot_fsdp1":
+        with annot.meta_init():
+            model = GPT(**shape)
+        wrapped = annot.auto_wrap(model, "fsdp1", checkpoint=False)
+    elif args.method == "annot_zero3":
+        import deepspeed
+
+        from annot.engines.deepspeed import partition_unit_by_unit
+
+        with annot.meta_init():
+            model = GPT(**shape)
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+        units = [f"transformer.h.{i}" for i in range(len(model.transformer.h))]
+        partition_unit_by_unit(model, units, config, torch.device("cpu"))
+        annot.materialize(model)
     elif args.method == "load":
         with annot.meta_init():
             model = GPT(**shape)
@@ -90,11 +110,19 @@ def worker(args: argparse.Namespace) -> None:
     result = {"rank": rank, "peak": peak, "seconds": seconds}
     if args.method == "load":
         result["bytes_read"] = report.bytes_read
-    if args.compare:
+    if args.compare and args.method == "annot_fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        reference = torch.load(args.compare, mmap=True)
+        with FullyShardedDataParallel.summon_full_params(wrapped):  # after the peak was taken
+            result["equal_1rank"] = all(
+                torch.equal(param, reference[name.replace("_fsdp_wrapped_module.", "")])
+                for name, param in model.named_parameters())
+    elif args.compare:
         reference = torch.load(args.compare, mmap=True)
         same = True
         for name, param in model.named_parameters():
-            if args.method == "zero_init":
+            if args.method in ("zero_init", "annot_zero3"):
                 import deepspeed
 
                 with deepspeed.zero.GatheredParameters([param]):
@@ -108,6 +136,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(results, result)
     if rank == 0:
         Path(args.out).write_text(json.dumps(results))
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
     dist.destroy_process_group()
 
 
@@ -166,18 +195,18 @@ def main() -> None:
         ideal = params * 4 / args.ranks
         print(f"GPT {params / 1e9:.2f}B params fp32 on {args.ranks} CPU ranks: ideal shard "
               f"{ideal / GiB:.2f} GiB, largest parameter {largest / GiB:.2f} GiB, checkpoint {file_bytes / GiB:.2f} GiB")
-        print(f"{'method':10} {'peak RSS/rank (GiB)':>20} {'x ideal':>8} {'seconds':>8} {'= 1-rank':>9} {'read/rank (GiB)':>16}")
+        print(f"{'method':12} {'peak RSS/rank (GiB)':>20} {'x ideal':>8} {'seconds':>8} {'= 1-rank':>9} {'read/rank (GiB)':>16}")
         for method in args.methods.split(","):
             rows = launch(method, args, tmp_path / f"{method}.json", tmp_path / "reference.pt",
                           tmp_path / "checkpoint" if method == "load" else None)
             if "error" in rows[0]:
-                print(f"{method:10} failed: {rows[0]['error'][:100]}")
+                print(f"{method:12} failed: {rows[0]['error'][:100]}")
                 continue
             peak = max(r["peak"] for r in rows)
             seconds = max(r["seconds"] for r in rows)
             equal = all(r.get("equal_1rank", False) for r in rows)
             read = max(r.get("bytes_read", 0) for r in rows)
-            print(f"{method:10} {peak / GiB:>20.2f} {peak / ideal:>8.2f} {seconds:>8.1f} {str(equal):>9} "
+            print(f"{method:12} {peak / GiB:>20.2f} {peak / ideal:>8.2f} {seconds:>8.1f} {str(equal):>9} "
                   f"{(read / GiB if read else float('nan')):>16.2f}")
         os.sync()
 

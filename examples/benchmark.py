@@ -178,8 +178,12 @@ def launch(args: argparse.Namespace, strategy: str, variant: str) -> dict | str:
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG):])
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
-    return f"failed (exit {proc.returncode}): {errors[-1].strip() if errors else 'no result line'}"
+    # A rank's own exception line ("[rank0]: SomeError: why"); torchrun's summary after it
+    # says less.
+    lines = (proc.stdout + proc.stderr).splitlines()
+    errors = [ln for ln in lines if ln.startswith("[rank") and "Error: " in ln] or [
+        ln for ln in lines if "Error" in ln]
+    return f"failed (exit {proc.returncode}): {errors[0].strip() if errors else 'no result line'}"
 
 
 def table(args: argparse.Namespace) -> str:

@@ -9,24 +9,38 @@ The order of steps:
    different order each step): ZeRO-3 then gathers a leaf's parameters all at once when
    the leaf is entered instead of hooking its submodules, which must happen before
    ``deepspeed.initialize`` installs those hooks;
-4. ``deepspeed.initialize``: ZeRO partitions what the stage says, then builds the
+4. a model built under `annot.meta_init` gets its values: with ZeRO-3 each unit is
+   allocated and partitioned in turn (``deepspeed.zero.Init(module=unit)``), then the
+   partitions are filled from the construction record; before ``initialize``, which
+   copies the values into the optimizer's master weights;
+5. ``deepspeed.initialize``: ZeRO partitions what the stage says, then builds the
    optimizer from the parameters it now manages. The optimizer is a factory called by
    DeepSpeed, so it cannot be built on the parameters before partitioning.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from annot._unit_allocation import UnitAllocator, module_tensors
 from annot.activation_checkpoint import apply_checkpointing
+from annot.loading import load_logged
+from annot.materialization import materialize
 from policies import Rule
 from policies.model_index import ModelIndex
 
-__all__ = ["LeafModules", "apply_deepspeed", "deepspeed_checkpoint", "set_leaf_modules"]
+__all__ = [
+    "LeafModules",
+    "apply_deepspeed",
+    "deepspeed_checkpoint",
+    "partition_unit_by_unit",
+    "set_leaf_modules",
+]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 # Classes (or class names, as DeepSpeed takes them) or a rule selecting module instances.
@@ -94,10 +108,21 @@ def apply_deepspeed(
     config: dict[str, Any],
     optimizer: OptimizerFactory,
     leaf_modules: LeafModules | None = None,
+    unit_paths: Sequence[str] = (),
+    device: torch.device | None = None,
+    load_from: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Configure checkpointing, checkpoint ``checkpoint_paths``, mark ``leaf_modules`` as
     ZeRO-3 leaves (ZeRO stage 3 only), and return the ``DeepSpeedEngine`` from
-    ``deepspeed.initialize`` (its ``.module`` is ``model``)."""
+    ``deepspeed.initialize`` (its ``.module`` is ``model``).
+
+    A model built under `annot.meta_init` is materialized before ``initialize`` (which
+    copies the values into the optimizer's master weights): with ZeRO-3 one unit of
+    ``unit_paths`` at a time (`partition_unit_by_unit`), so each rank holds its
+    partitions plus about one unit; with ZeRO-1/2, which keep whole parameters on every
+    rank, all at once on ``device``. With ``load_from`` its values are loaded from that
+    checkpoint instead (`annot.load`: each ZeRO-3 rank reads the rows its partitions
+    cover)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -115,7 +140,35 @@ def apply_deepspeed(
     apply_checkpointing(model, checkpoint_paths, deepspeed_checkpoint)
     if leaf_modules is not None:
         set_leaf_modules(model, leaf_modules)
+    if any(t.is_meta for t in module_tensors(model)):
+        if stage == 3:
+            partition_unit_by_unit(model, unit_paths, config, device or torch.device("cpu"))
+        if load_from is not None:
+            load_logged(model, load_from, device)
+        else:
+            materialize(model, device=device)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=model.parameters(), config=config
     )
     return engine
+
+
+def partition_unit_by_unit(model: nn.Module, unit_paths: Sequence[str], config: dict[str, Any],
+                           device: torch.device) -> None:
+    """ZeRO-3-partition a meta ``model`` one shard unit at a time: give a unit's tensors
+    storage (values undefined), then ``deepspeed.zero.Init(module=unit)`` partitions its
+    parameters at once and frees the full ones; deepest units first, the root's own
+    parameters last. `annot.materialize` then fills each rank's partitions."""
+    import deepspeed
+
+    allocator = UnitAllocator(model, device)
+    # Deepest first, so a unit nested in another is partitioned before its parent
+    # allocates; "" (the root) takes whatever is left. Plan order otherwise, identical on
+    # every rank: each zero.Init call is collective and numbers the parameters (ds_id).
+    paths = [p for p in dict.fromkeys(unit_paths) if p]
+    for path in sorted(paths, key=lambda p: -p.count(".")) + [""]:
+        unit = model.get_submodule(path)
+        for module in unit.modules():
+            allocator(module)
+        deepspeed.zero.Init(module=unit, config_dict_or_path=config)
+    allocator.record_on(model)

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import CustomPolicy
 
+from annot._unit_allocation import UnitAllocator
 from annot.activation_checkpoint import apply_checkpointing
 from annot.errors import EngineNotAvailableError
 from policies import Action, Plan, Policy, Rule
@@ -83,6 +84,10 @@ def apply_fsdp1(
     """Wrap ``model`` in FSDP1 following ``plan`` (``use_orig_params=True``, so the
     optimizer sees the original parameters and frozen/trainable mixes work).
 
+    A model on the meta device is allocated unit by unit as FSDP1 wraps it (each unit's
+    full parameters exist only until FSDP1 has sharded them) with undefined values:
+    `annot.materialize` fills the shards afterwards, as `auto_wrap` does.
+
     FSDP1 offloads all parameters or none: ``offload=True`` offloads everything;
     a Plan that offloads only some units is refused unless ``offload`` is given.
     """
@@ -103,7 +108,8 @@ def apply_fsdp1(
     if isinstance(mixed_precision, torch.dtype):
         # Reductions in fp32: low-precision gradient sums lose small updates.
         mixed_precision = MixedPrecision(param_dtype=mixed_precision, reduce_dtype=torch.float32)
-    return FullyShardedDataParallel(
+    allocator = UnitAllocator(model, device)
+    wrapped = FullyShardedDataParallel(
         model,
         auto_wrap_policy=wrap_policy,
         sharding_strategy=(
@@ -113,4 +119,7 @@ def apply_fsdp1(
         mixed_precision=mixed_precision,
         device_id=device,  # also on CPU: FSDP1 otherwise insists on an accelerator
         use_orig_params=True,
+        param_init_fn=allocator,
     )
+    allocator.record_on(wrapped)
+    return wrapped

@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         if rank == 0:
             print(f"{args.engine} on {world} process(es): loss {losses[0]:.4f} -> "
                   f"{losses[-1]:.4f} in {args.steps} steps, {time.perf_counter() - start:.1f} s")
+        dist.barrier()  # no rank tears gloo down while another is still in a collective
         return losses
     finally:
         dist.destroy_process_group()

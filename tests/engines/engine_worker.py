@@ -143,6 +143,7 @@ def main() -> None:
         results = {name: run(name) for name in names}
         if dist.get_rank() == 0:
             torch.save(results, out)
+        dist.barrier()  # no rank tears gloo down while another is still in a collective
     finally:
         dist.destroy_process_group()
 

@@ -102,6 +102,7 @@ def main() -> None:
                    "pretrained": {d.name: guarded(pretrained, d, engine) for d in dirs}}
         if dist.get_rank() == 0:
             torch.save(results, out)
+        dist.barrier()  # no rank tears gloo down while another is still in a collective
     finally:
         dist.destroy_process_group()
 

@@ -35,3 +35,27 @@ def test_each_rank_reads_its_half_and_saving_from_shards_gives_the_same_files(tm
     saved = sorted((tmp_path / "saved").iterdir())
     assert [p.name for p in single] == [p.name for p in saved]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(single, saved, strict=True))
+
+
+FLAT_WORKER = Path(__file__).with_name("flat_checkpoint_worker.py")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine", ["fsdp1", "zero3"])
+def test_fsdp1_and_zero3_load_each_rank_reads_about_its_half(engine, tmp_path):
+    if engine == "zero3":
+        pytest.importorskip("deepspeed")
+    torch.manual_seed(11)
+    source = GPT(**SHAPE)
+    annot.save(source, tmp_path / "source", max_shard_bytes=100_000)
+    run_torchrun(FLAT_WORKER, 2, engine, str(tmp_path / "source"), str(tmp_path / "out.pt"),
+                 timeout=300)
+    got = torch.load(tmp_path / "out.pt")
+    for name, param in source.named_parameters():
+        assert torch.equal(got["params"][name], param), name
+    for name, buffer in source.named_buffers():  # the causal masks, recomputed
+        assert torch.equal(got["buffers"][name], buffer), name
+    total = sum(p.numel() * 4 for p in source.parameters())
+    # Flat shards split rows: a rank reads the rows its range covers, partial rows whole.
+    for read in got["bytes_read"]:
+        assert 0.45 * total <= read <= 0.6 * total, (got["bytes_read"], total)

@@ -1,0 +1,58 @@
+"""Run by test_checkpoint_io_distributed.py under torchrun: build the example GPT under
+meta_init and let `auto_wrap(engine, load_from=checkpoint)` allocate it unit by unit
+(FSDP1, or DeepSpeed ZeRO-3) and load it, each rank reading the rows its shards cover.
+Saves from rank 0 the gathered full parameters, buffers and each rank's bytes read."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import annot  # noqa: E402
+import annot.loading  # noqa: E402
+from examples.gpt.model import GPT  # noqa: E402
+
+SHAPE = dict(n_layer=3, n_embd=48, n_head=4, vocab_size=101, block_size=32)
+
+
+def main(engine: str, source: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    reports = []
+    load = annot.loading.load
+    annot.loading.load = lambda *a, **k: reports.append(load(*a, **k)) or reports[-1]
+    with annot.meta_init():
+        model = GPT(**SHAPE)
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrapped = annot.auto_wrap(model, "fsdp1", load_from=source)
+        with FullyShardedDataParallel.summon_full_params(wrapped):
+            full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+                    for n, p in model.named_parameters()}
+    else:
+        import deepspeed
+
+        annot.auto_wrap(model, "deepspeed", config=annot.deepspeed_config(model, stage=3),
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                        load_from=source)
+        full = {}
+        for name, param in model.named_parameters():  # one at a time (see zero3 worker)
+            with deepspeed.zero.GatheredParameters([param]):
+                full[name] = param.detach().clone()
+    buffers = {n.replace("_fsdp_wrapped_module.", ""): b.clone() for n, b in model.named_buffers()}
+    assert len(reports) == 1 and not reports[0].missing and not reports[0].unexpected, reports
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, reports[0].bytes_read)
+    if dist.get_rank() == 0:
+        torch.save({"params": full, "buffers": buffers, "bytes_read": gathered}, out)
+    dist.barrier()  # no rank tears down while another is still in a collective
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
