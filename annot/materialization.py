@@ -180,6 +180,13 @@ def _zero3_parts(model: nn.Module) -> dict[int, list[FlatPart]]:
         partition = getattr(param, "ds_tensor", None)
         if partition is None:
             continue
+        # OffloadDeviceEnum is a str enum. A partition swapped out to NVMe lives on disk,
+        # and writing into its in-memory placeholder would be silently lost.
+        if getattr(partition, "final_location", None) == "nvme":
+            raise DeferredInitError(
+                "a ZeRO-3 parameter partition is swapped out to NVMe (offload_param device "
+                "'nvme'), so it cannot be filled in place: materialize or load the model "
+                "before deepspeed.initialize (auto_wrap(..., load_from=...) does)")
         import deepspeed.comm
 
         numel, shape = param.ds_numel, tuple(param.ds_shape)

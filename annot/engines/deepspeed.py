@@ -120,7 +120,7 @@ def apply_deepspeed(
     copies the values into the optimizer's master weights): with ZeRO-3 one unit of
     ``unit_paths`` at a time (`partition_unit_by_unit`), so each rank holds its
     partitions plus about one unit; with ZeRO-1/2, which keep whole parameters on every
-    rank, all at once on ``device``. With ``load_from`` its values are loaded from that
+    rank, and with parameters offloaded to NVMe, all at once on ``device``. With ``load_from`` its values are loaded from that
     checkpoint instead (`annot.load`: each ZeRO-3 rank reads the rows its partitions
     cover)."""
     import deepspeed
@@ -141,7 +141,7 @@ def apply_deepspeed(
     if leaf_modules is not None:
         set_leaf_modules(model, leaf_modules)
     if any(t.is_meta for t in module_tensors(model)):
-        if stage == 3:
+        if stage == 3 and not _params_swapped_to_nvme(config):
             partition_unit_by_unit(model, unit_paths, config, device or torch.device("cpu"))
         if load_from is not None:
             load_logged(model, load_from, device)
@@ -151,6 +151,15 @@ def apply_deepspeed(
         model=model, optimizer=optimizer, model_parameters=model.parameters(), config=config
     )
     return engine
+
+
+def _params_swapped_to_nvme(config: dict[str, Any]) -> bool:
+    """Whether ZeRO-3 swaps parameter partitions out to NVMe. Their ``ds_tensor`` is then
+    on disk, not in memory, so the partitions cannot be filled in place after
+    `partition_unit_by_unit`: such a model is materialized whole and partitioned by
+    ``initialize`` instead (transient: the full model on every rank)."""
+    offload = config.get("zero_optimization", {}).get("offload_param") or {}
+    return offload.get("device") == "nvme"
 
 
 def partition_unit_by_unit(model: nn.Module, unit_paths: Sequence[str], config: dict[str, Any],
