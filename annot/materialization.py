@@ -296,6 +296,7 @@ def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool |
     for index in env:
         refs_of[record.group_of[index]].append(index)
     stats = ReplayStats()
+    scratches: list[tuple[StorageWeakRef, int]] = []  # dead writes' storages, for the peak
 
     def resolve(x: Any) -> Any:
         if not isinstance(x, Ref):
@@ -335,11 +336,16 @@ def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool |
                 elif i in schedule.dead:
                     layout = record.layout[schedule.target[i]]
                     scratch = torch.empty_strided(layout.shape, layout.stride, dtype=layout.dtype)
-                    args = (scratch, *tree_map(resolve, op.args[1:]))
-                    op.func(*args, **tree_map(resolve, op.kwargs))
+                    op.func(scratch, *tree_map(resolve, op.args[1:]), **tree_map(resolve, op.kwargs))
+                    storage = scratch.untyped_storage()
+                    scratches.append((StorageWeakRef(storage), storage.nbytes()))
+                    stats.peak_bytes = max(stats.peak_bytes, _alive_bytes(env) + storage.nbytes())
+                    del scratch, storage  # before the next op allocates: one full tensor at a time
                 else:
                     remember(op, op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs)))
-                stats.peak_bytes = max(stats.peak_bytes, _alive_bytes(env))
+                # A scratch still referenced here would overlap the next allocation: count it.
+                scratches = [(ref, n) for ref, n in scratches if not ref.expired()]
+                stats.peak_bytes = max(stats.peak_bytes, _alive_bytes(env) + sum(n for _, n in scratches))
                 for group in release_at.get(i, ()):
                     for name in names_by_group.get(group, ()):
                         target = targets[name]
