@@ -120,9 +120,9 @@ def apply_deepspeed(
     copies the values into the optimizer's master weights): with ZeRO-3 one unit of
     ``unit_paths`` at a time (`partition_unit_by_unit`), so each rank holds its
     partitions plus about one unit; with ZeRO-1/2, which keep whole parameters on every
-    rank, and with parameters offloaded to NVMe, all at once on ``device``. With ``load_from`` its values are loaded from that
-    checkpoint instead (`annot.load`: each ZeRO-3 rank reads the rows its partitions
-    cover)."""
+    rank, and with parameters offloaded to NVMe, all at once on ``device``. With
+    ``load_from`` its values are loaded from that checkpoint instead (`annot.load`: each
+    ZeRO-3 rank reads the rows its partitions cover)."""
     import deepspeed
     import torch.distributed as dist
 
