@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from annot.deferred import DeferredInitError, build, meta_init, register_init
+    from annot.meta.deferred import DeferredInitError, build, meta_init, register_init
     from annot.engines.deepspeed_config import deepspeed_config
     from annot.engines.fsdp1 import fsdp1_policies
     from annot.errors import (
@@ -21,15 +21,15 @@ if TYPE_CHECKING:
         OptimizerOrderError,
         ProcessGroupNotInitializedError,
     )
-    from annot.huggingface import PretrainedPathError, from_pretrained
-    from annot.loading import CheckpointError, load
+    from annot.huggingface.pretrained import PretrainedPathError, from_pretrained
+    from annot.checkpoint_io.loading import CheckpointError, load
     from annot.markers import checkpoint_block, get_mark, mark, offload_block, shard_block, unmark
-    from annot.materialization import materialize
+    from annot.meta.materialization import materialize
     from annot.memory import estimate_memory
     from annot.planning import plan
-    from annot.saving import save
+    from annot.checkpoint_io.saving import save
     from annot.wrap import auto_wrap
-    from policies import (
+    from annot.policies import (
         Plan,
         Policy,
         by_class,
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         no_split_modules,
         repeated_blocks,
     )
-    from policies.errors import AnnotError, PlanError
+    from annot.policies.errors import AnnotError, PlanError
 
 _EXPORTS = {
     "AnnotError": "policies.errors",
@@ -61,16 +61,16 @@ _EXPORTS = {
     "shard_block": "annot.markers",
     "unmark": "annot.markers",
     "plan": "annot.planning",
-    "meta_init": "annot.deferred",
-    "build": "annot.deferred",
-    "register_init": "annot.deferred",
-    "DeferredInitError": "annot.deferred",
-    "materialize": "annot.materialization",
-    "load": "annot.loading",
-    "save": "annot.saving",
-    "CheckpointError": "annot.loading",
-    "from_pretrained": "annot.huggingface",
-    "PretrainedPathError": "annot.huggingface",
+    "meta_init": "annot.meta.deferred",
+    "build": "annot.meta.deferred",
+    "register_init": "annot.meta.deferred",
+    "DeferredInitError": "annot.meta.deferred",
+    "materialize": "annot.meta.materialization",
+    "load": "annot.checkpoint_io.loading",
+    "save": "annot.checkpoint_io.saving",
+    "CheckpointError": "annot.checkpoint_io.loading",
+    "from_pretrained": "annot.huggingface.pretrained",
+    "PretrainedPathError": "annot.huggingface.pretrained",
     "estimate_memory": "annot.memory",
     "auto_wrap": "annot.wrap",
     "fsdp1_policies": "annot.engines.fsdp1",

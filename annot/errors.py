@@ -7,7 +7,7 @@ catches ``RuntimeError``/``ValueError`` keeps working. Each message says what to
 
 from __future__ import annotations
 
-from policies.errors import AnnotError
+from annot.policies.errors import AnnotError
 
 __all__ = [
     "EngineNotAvailableError",

@@ -12,7 +12,7 @@ from typing import Any, TypeVar, overload
 
 from torch import nn
 
-from policies.marks import MARK_ATTR, Mark, effective_mark, own_mark
+from annot.policies.marks import MARK_ATTR, Mark, effective_mark, own_mark
 
 __all__ = ["shard_block", "checkpoint_block", "offload_block", "mark", "unmark", "get_mark"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from policies import Plan, Policy, Rule, make_plan
+from annot.policies import Plan, Policy, Rule, make_plan
 
 __all__ = ["plan"]
 

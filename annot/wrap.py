@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from annot.errors import EngineNotAvailableError
-from annot.loading import load_logged
-from policies import Action, Plan, Policy, Rule, make_plan
+from annot.checkpoint_io.loading import load_logged
+from annot.policies import Action, Plan, Policy, Rule, make_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -160,9 +160,9 @@ def auto_wrap(
        initialization of what the checkpoint provides is never run
        (`annot.from_pretrained` passes the model directory here). As transformers does, parameters the checkpoint lacks keep their initialization
        and keys the model lacks are ignored; both are logged as a warning (call
-       `annot.loading.check_keys` first to refuse them).
+       `annot.checkpoint_io.loading.check_keys` first to refuse them).
 
-    A transformers ``PreTrainedModel`` is adjusted first (`annot.huggingface.
+    A transformers ``PreTrainedModel`` is adjusted first (`annot.huggingface.pretrained.
     prepare_for_training`, logged): its own gradient checkpointing is turned off when
     annot checkpoints, and ``config.use_cache`` is set to False when anything does.
 
@@ -172,7 +172,7 @@ def auto_wrap(
     ``True``/``"cpu"`` everything, ``"nvme"`` (DeepSpeed only), ``False`` nothing: that
     is parameter offload (with optimizer state), except for DDP, which keeps parameters
     on the device and reads the Plan's offload marks as activation offload.
-    ``offload_activations`` (DDP, FSDP2; `annot.activation_offload`) keeps what autograd
+    ``offload_activations`` (DDP, FSDP2; `annot.runtime.activation_offload`) keeps what autograd
     saves in a unit's forward on the host until backward: ``True`` every unit, ``False``
     none, ``None`` the Plan's offload units for DDP and none for FSDP2.
     ``mixed_precision`` ``None`` (as the parameters are), ``"bf16"``/``"fp16"``/a dtype
@@ -193,10 +193,10 @@ def auto_wrap(
     ``_fsdp_wrapped_module.`` levels into module and parameter names. Checkpointing never
     adds a level (no ``_checkpoint_wrapped_module``).
     """
-    from annot import _distributed
-    from annot.activation_checkpoint import checkpointed_paths
-    from annot.deferred import deferred_init_of
-    from annot.huggingface import is_pretrained_model, prepare_for_training
+    from annot.engines import checks as _distributed
+    from annot.runtime.activation_checkpoint import checkpointed_paths
+    from annot.meta.deferred import deferred_init_of
+    from annot.huggingface.pretrained import is_pretrained_model, prepare_for_training
 
     name = resolve_engine(engine)
     _distributed.require_process_group(name)
@@ -293,7 +293,7 @@ def auto_wrap(
 def _fill(model: nn.Module, load_from: str | os.PathLike[str] | None, device: torch.device) -> None:
     """Values for a `meta_init` model an engine has given storage (or not yet): loaded
     from ``load_from`` (what it lacks initialized), else initialized from the record."""
-    from annot.materialization import materialize
+    from annot.meta.materialization import materialize
 
     if load_from is not None:
         load_logged(model, load_from, device)
@@ -351,7 +351,7 @@ def _check_plan_offload(plan: Plan, engine: str, offload: bool | str | None) -> 
 def _activation_offload_paths(plan: Plan, engine: str, offload_activations: bool | None) -> list[str]:
     """Modules whose activations to offload. The Plan's offload marks mean activation
     offload only for DDP; FSDP2 reads them as parameter offload (``CPUOffloadPolicy``)."""
-    from annot.activation_offload import offloaded_activation_paths
+    from annot.runtime.activation_offload import offloaded_activation_paths
 
     if engine == "ddp":
         return offloaded_activation_paths(plan, offload_activations)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import libcst as cst
 
-from rewriter import rewrite_source, undo_source
-from rewriter.cli import main as rewrite_main
+from annot.rewriter import rewrite_source, undo_source
+from annot.rewriter.cli import main as rewrite_main
 
 
 def corpus() -> list[Path]:

@@ -15,7 +15,7 @@ timeout, and prints a Markdown table):
 Strategies: ``ddp``, ``fsdp2``, ``fsdp1``, ``zero2``, ``zero3`` (DeepSpeed ZeRO stage 2
 or 3). ``--checkpoint`` checkpoints every block. ``--offload`` offloads what the strategy
 can: parameters and optimizer state for FSDP and ZeRO (``zero2``: optimizer state only),
-activations for DDP (`annot.activation_offload`). ``--precision`` ``fp32``, ``bf16`` or
+activations for DDP (`annot.runtime.activation_offload`). ``--precision`` ``fp32``, ``bf16`` or
 ``fp16`` (FSDP/ZeRO mixed precision; DDP runs under ``torch.autocast``).
 
 Step time is the mean over the steps after ``--warmup``; tokens/s counts every rank's

@@ -6,13 +6,13 @@ actions to rules; `make_plan` turns (model, policy) into a validated `Plan`. Thi
 imports ``torch.nn`` only: never ``torch.distributed``, DeepSpeed, transformers or annot.
 """
 
-from policies.errors import AnnotError, PlanError
-from policies.marks import Action, Mark
-from policies.parse import parse_rule
-from policies.plan import Plan, RootInfo, Unit
-from policies.planner import default_policy, make_plan
-from policies.policy import Override, Policy
-from policies.rules import (
+from annot.policies.errors import AnnotError, PlanError
+from annot.policies.marks import Action, Mark
+from annot.policies.parse import parse_rule
+from annot.policies.plan import Plan, RootInfo, Unit
+from annot.policies.planner import default_policy, make_plan
+from annot.policies.policy import Override, Policy
+from annot.policies.rules import (
     Rule,
     by_class,
     by_name,

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 
-from policies.errors import AnnotError
-from policies.rules import (
+from annot.policies.errors import AnnotError
+from annot.policies.rules import (
     Rule,
     by_class,
     by_name,

@@ -11,9 +11,9 @@ import dataclasses
 import json
 from typing import Any
 
-from policies.errors import PlanError
-from policies.marks import Action
-from policies.rules import format_count
+from annot.policies.errors import PlanError
+from annot.policies.marks import Action
+from annot.policies.rules import format_count
 
 __all__ = ["Plan", "RootInfo", "Unit", "format_bytes"]
 

@@ -14,12 +14,12 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from policies.errors import PlanError
-from policies.marks import Action, effective_mark
-from policies.model_index import ModelIndex, is_under, parent_path, qualified_class_name
-from policies.plan import Plan, RootInfo, Unit
-from policies.policy import Policy
-from policies.rules import (
+from annot.policies.errors import PlanError
+from annot.policies.marks import Action, effective_mark
+from annot.policies.model_index import ModelIndex, is_under, parent_path, qualified_class_name
+from annot.policies.plan import Plan, RootInfo, Unit
+from annot.policies.policy import Policy
+from annot.policies.rules import (
     Rule,
     check_selection,
     keep_in_fp32_modules,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from policies.marks import OFFLOAD_TARGETS, Action
-from policies.rules import Rule, keep_in_fp32_modules, marked, no_split_modules
+from annot.policies.marks import OFFLOAD_TARGETS, Action
+from annot.policies.rules import Rule, keep_in_fp32_modules, marked, no_split_modules
 
 __all__ = ["Override", "Policy"]
 

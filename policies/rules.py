@@ -14,9 +14,9 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from policies.errors import PlanError
-from policies.marks import Action, effective_mark
-from policies.model_index import ModelIndex, parent_path
+from annot.policies.errors import PlanError
+from annot.policies.marks import Action, effective_mark
+from annot.policies.model_index import ModelIndex, parent_path
 
 __all__ = [
     "Rule",

@@ -14,8 +14,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rewriter.codemod import RewriteResult, Site, SkippedSite, rewrite_source, undo_source
-    from rewriter.marks import marked_classes
+    from annot.rewriter.codemod import RewriteResult, Site, SkippedSite, rewrite_source, undo_source
+    from annot.rewriter.marks import marked_classes
 
 __all__ = [
     "RewriteResult",

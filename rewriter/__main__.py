@@ -2,6 +2,6 @@
 
 import sys
 
-from rewriter.cli import main
+from annot.rewriter.cli import main
 
 sys.exit(main(prog="python -m rewriter"))

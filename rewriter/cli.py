@@ -107,8 +107,8 @@ def _marks_of(path: str) -> list:
     """Pass 1 (in a worker): the class marks one file states; unreadable files say nothing."""
     import libcst as cst
 
-    from rewriter._files import decode
-    from rewriter.marks import file_marks
+    from annot.rewriter._files import decode
+    from annot.rewriter.marks import file_marks
 
     try:
         text, _ = decode(Path(path).read_bytes())
@@ -122,8 +122,8 @@ def _process(job: _Job) -> _Outcome:
     """Pass 2 (in a worker): rewrite or undo one file."""
     import libcst as cst
 
-    from rewriter._files import decode, encode, write_atomic
-    from rewriter.codemod import rewrite_source, undo_source
+    from annot.rewriter._files import decode, encode, write_atomic
+    from annot.rewriter.codemod import rewrite_source, undo_source
 
     path = Path(job.path)
     try:
@@ -204,7 +204,7 @@ def _selection(
     if args.blocks is not None:
         names = frozenset(n.strip() for n in args.blocks.split(",") if n.strip())
         return names, "--blocks " + ", ".join(sorted(names))
-    from rewriter.marks import checkpointed_classes
+    from annot.rewriter.marks import checkpointed_classes
 
     marks = [
         m for ms in _run_all(_marks_of, [str(f) for f in files], args.jobs, progress) for m in ms
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None, prog: str = "annot rewrite") -> int:
     if args.quiet and args.verbose:
         args.verbose = False
     try:
-        from rewriter._files import find_python_files
+        from annot.rewriter._files import find_python_files
 
         files = find_python_files(args.paths, args.exclude)
     except FileNotFoundError as e:

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from rewriter._positions import generate, locate
-from rewriter.imports import ImportTable, import_marker
-from rewriter.sites import (
+from annot.rewriter._positions import generate, locate
+from annot.rewriter.imports import ImportTable, import_marker
+from annot.rewriter.sites import (
     GUARD_MARKER,
     Container,
     Found,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from rewriter.imports import ImportTable, dotted_name
+from annot.rewriter.imports import ImportTable, dotted_name
 
 __all__ = ["Container", "child_nodes", "read_containers"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from rewriter.imports import ImportTable, dotted_name
+from annot.rewriter.imports import ImportTable, dotted_name
 
 __all__ = ["ClassMark", "checkpointed_classes", "class_marks", "file_marks", "marked_classes"]
 

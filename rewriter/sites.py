@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from rewriter.containers import Container, child_nodes, read_containers
-from rewriter.imports import ImportTable, dotted_name
+from annot.rewriter.containers import Container, child_nodes, read_containers
+from annot.rewriter.imports import ImportTable, dotted_name
 
 __all__ = ["Container", "Found", "Selector", "Skipped", "is_annot_guard", "scan_module"]
 

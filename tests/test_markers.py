@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from annot import checkpoint_block, get_mark, mark, offload_block, shard_block, unmark
-from policies import Mark
+from annot.policies import Mark
 
 
 def _block_class(decorate):

@@ -8,7 +8,7 @@ from torch import nn
 
 import annot
 from examples.gpt.model import Block
-from policies import (
+from annot.policies import (
     Action,
     Plan,
     PlanError,

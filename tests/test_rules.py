@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from examples.gpt.model import Block
-from policies import (
+from annot.policies import (
     by_class,
     by_name,
     by_size,
@@ -18,8 +18,8 @@ from policies import (
     parse_rule,
     repeated_blocks,
 )
-from policies.model_index import ModelIndex
-from policies.parse import PolicySyntaxError, parse_count
+from annot.policies.model_index import ModelIndex
+from annot.policies.parse import PolicySyntaxError, parse_count
 
 BLOCKS = ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
 

@@ -2,7 +2,7 @@
 
 DDP replicates the whole model, so the Plan's shard units play no part; its
 checkpointing and activation offload do (DDP cannot offload parameters, so a Plan's
-offload mark means activation offload here: `annot.activation_offload`). The order of
+offload mark means activation offload here: `annot.runtime.activation_offload`). The order of
 steps: move the model to this rank's device, checkpoint the Plan's modules, hook
 activation offload around the offloaded ones, then wrap (DDP registers its gradient
 hooks on the parameters as they are at wrap time, and broadcasts rank 0's parameters
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from annot.activation_checkpoint import apply_checkpointing
-from annot.activation_offload import apply_activation_offload
+from annot.runtime.activation_checkpoint import apply_checkpointing
+from annot.runtime.activation_offload import apply_activation_offload
 
 __all__ = ["apply_ddp"]
 

@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from annot._unit_allocation import UnitAllocator, module_tensors
-from annot.activation_checkpoint import apply_checkpointing
-from annot.loading import load_logged
-from annot.materialization import materialize
-from policies import Rule
-from policies.model_index import ModelIndex
+from annot.meta.unit_allocation import UnitAllocator, module_tensors
+from annot.runtime.activation_checkpoint import apply_checkpointing
+from annot.checkpoint_io.loading import load_logged
+from annot.meta.materialization import materialize
+from annot.policies import Rule
+from annot.policies.model_index import ModelIndex
 
 __all__ = [
     "LeafModules",

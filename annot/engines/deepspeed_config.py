@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from annot.errors import EngineNotAvailableError
-from policies import Action, Plan
+from annot.policies import Action, Plan
 
 __all__ = ["deepspeed_config"]
 

@@ -26,10 +26,10 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from annot._unit_allocation import UnitAllocator
-from annot.activation_checkpoint import apply_checkpointing
+from annot.meta.unit_allocation import UnitAllocator
+from annot.runtime.activation_checkpoint import apply_checkpointing
 from annot.errors import EngineNotAvailableError
-from policies import Action, Plan, Policy, Rule
+from annot.policies import Action, Plan, Policy, Rule
 
 __all__ = ["apply_fsdp1", "fsdp1_policies"]
 
@@ -55,7 +55,7 @@ def fsdp1_policies(
     ``FSDPStrategy``. A unit grouping several modules (tied weights) cannot be one FSDP1
     unit: that raises `EngineNotAvailableError`.
     """
-    from annot.activation_checkpoint import checkpointed_paths
+    from annot.runtime.activation_checkpoint import checkpointed_paths
     from annot.wrap import resolve_plan
 
     plan = resolve_plan(model, policy)

@@ -3,7 +3,7 @@
 The order of steps, as torchtitan's parallelize code does it:
 1. activation checkpointing inside each unit (it must sit inside the shard unit, so the
    recomputation runs while the unit's parameters are gathered for backward), and the
-   activation offload hooks (`annot.activation_offload`), which leave parameters alone;
+   activation offload hooks (`annot.runtime.activation_offload`), which leave parameters alone;
 2. ``fully_shard`` once per shard unit, children before parents (each call groups the
    parameters not yet claimed by an earlier call, so the order decides the groups);
    a tied group's modules go into one call so the shared parameter has one owner;
@@ -26,9 +26,9 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from annot.activation_checkpoint import apply_checkpointing
-from annot.activation_offload import apply_activation_offload
-from policies import Action, Plan, Unit
+from annot.runtime.activation_checkpoint import apply_checkpointing
+from annot.runtime.activation_offload import apply_activation_offload
+from annot.policies import Action, Plan, Unit
 
 __all__ = ["apply_fsdp2", "mixed_precision_policy"]
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from policies import Action, Plan
+from annot.policies import Action, Plan
 
 __all__ = ["ActivationEstimate", "default_inputs", "trace_activations"]
 

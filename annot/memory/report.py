@@ -12,9 +12,9 @@ from torch import nn
 
 from annot.memory.activations import ActivationEstimate, InputsFn, trace_activations
 from annot.memory.states import STRATEGIES, BytesPerParam, MemoryInputError, model_states
-from policies import Plan, Policy, Rule, make_plan
-from policies.plan import format_bytes
-from policies.rules import format_count
+from annot.policies import Plan, Policy, Rule, make_plan
+from annot.policies.plan import format_bytes
+from annot.policies.rules import format_count
 
 __all__ = ["MemoryReport", "StrategyRow", "estimate_memory"]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from policies.errors import AnnotError
+from annot.policies.errors import AnnotError
 
 __all__ = [
     "BytesPerParam",

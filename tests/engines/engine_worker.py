@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, Shardin
 from torch.distributed.tensor import DTensor
 
 import annot
-from annot.activation_offload import activation_offloader
+from annot.runtime.activation_offload import activation_offloader
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import annot
-from annot.activation_checkpoint import (
+from annot.runtime.activation_checkpoint import (
     apply_checkpointing,
     checkpoint_module,
     checkpointed_paths,
     is_checkpointed,
 )
 from examples.gpt.model import GPT
-from policies import Policy, by_class, every_nth
+from annot.policies import Policy, by_class, every_nth
 
 N_LAYER = 4
 

@@ -9,8 +9,8 @@ from test_activation_checkpoint import N_LAYER, RecomputeCounter, gpt, tokens
 from torch.autograd.graph import saved_tensors_hooks
 
 import annot
-from annot.activation_checkpoint import apply_checkpointing
-from annot.activation_offload import (
+from annot.runtime.activation_checkpoint import apply_checkpointing
+from annot.runtime.activation_offload import (
     ActivationOffloader,
     activation_offloader,
     apply_activation_offload,

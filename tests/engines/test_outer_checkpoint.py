@@ -12,7 +12,7 @@ from test_activation_checkpoint import N_LAYER, RecomputeCounter, gpt
 from torch.utils.checkpoint import checkpoint
 
 import annot
-from annot.activation_checkpoint import apply_checkpointing, has_outer_checkpoint
+from annot.runtime.activation_checkpoint import apply_checkpointing, has_outer_checkpoint
 from examples.gpt.model import GPT
 
 BLOCKS = [f"transformer.h.{i}" for i in range(N_LAYER)]
@@ -89,7 +89,7 @@ def test_without_the_check_a_reentrant_outer_checkpoint_would_recompute_twice(mo
     annot's checkpoint nests inside the model's reentrant one (DeepSpeed's kind) and every
     block runs once more in backward. (Nested in torch's non-reentrant checkpoint, torch's
     early stop already avoids the second run; detection still spares the nesting.)"""
-    monkeypatch.setattr("annot.activation_checkpoint.under_outer_checkpoint", lambda: False)
+    monkeypatch.setattr("annot.runtime.activation_checkpoint.under_outer_checkpoint", lambda: False)
     model = rewritten("torch-reentrant")
     apply_checkpointing(model, BLOCKS)
     counter = RecomputeCounter(model)

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import annot
-from annot.deferred import DeferredInitError
+from annot.meta.deferred import DeferredInitError
 from annot.engines.deepspeed import _params_swapped_to_nvme
-from annot.materialization import flat_parts
+from annot.meta.materialization import flat_parts
 from examples.gpt.model import GPT
 
 

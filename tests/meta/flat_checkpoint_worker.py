@@ -14,7 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import annot  # noqa: E402
-import annot.loading  # noqa: E402
+import annot.checkpoint_io.loading  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
 
 SHAPE = dict(n_layer=3, n_embd=48, n_head=4, vocab_size=101, block_size=32)
@@ -23,8 +23,8 @@ SHAPE = dict(n_layer=3, n_embd=48, n_head=4, vocab_size=101, block_size=32)
 def main(engine: str, source: str, out: str) -> None:
     dist.init_process_group("gloo")
     reports = []
-    load = annot.loading.load
-    annot.loading.load = lambda *a, **k: reports.append(load(*a, **k)) or reports[-1]
+    load = annot.checkpoint_io.loading.load
+    annot.checkpoint_io.loading.load = lambda *a, **k: reports.append(load(*a, **k)) or reports[-1]
     with annot.meta_init():
         model = GPT(**SHAPE)
     if engine == "fsdp1":

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _training import LR, train  # noqa: E402
 
 import annot  # noqa: E402
-from annot._unit_allocation import unit_allocation_peak  # noqa: E402
+from annot.meta.unit_allocation import unit_allocation_peak  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
 
 SHAPE = dict(n_layer=3, n_embd=48, n_head=4, vocab_size=101, block_size=32)

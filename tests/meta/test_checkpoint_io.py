@@ -107,7 +107,7 @@ def test_save_refuses_to_overwrite_unless_asked(tmp_path):
 
 
 def test_a_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
-    from annot import _safetensors
+    from annot.checkpoint_io import safetensors_file as _safetensors
 
     def broken(self, name, tensor):
         raise OSError("disk full")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import annot
-from annot.deferred import deferred_init_of
+from annot.meta.deferred import deferred_init_of
 from examples.gpt.model import GPT
 
 SHAPE = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=97, block_size=32)
@@ -150,7 +150,7 @@ def test_registered_init():
         annot.materialize(model)
         assert torch.equal(model.bad.weight, torch.full((3, 3), 0.5))
     finally:
-        from annot.deferred import _registered_inits
+        from annot.meta.deferred import _registered_inits
 
         _registered_inits.pop(NoInit)
 
@@ -182,7 +182,7 @@ def test_meta_init_restores_module_construction():
 @pytest.mark.parametrize("make", [lambda: GPT(n_layer=4, n_embd=128, n_head=4, vocab_size=500, block_size=64),
                                   _llama], ids=["gpt", "llama"])
 def test_replay_holds_at_most_about_one_parameter_at_a_time(make):
-    from annot.materialization import replay_stats
+    from annot.meta.materialization import replay_stats
 
     with annot.meta_init():
         model = make()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from rewriter import RewriteResult, marked_classes, rewrite_source
+from annot.rewriter import RewriteResult, marked_classes, rewrite_source
 
 
 def _rewrite(source: str, target: str = "deepspeed", **options: object) -> RewriteResult:

@@ -23,7 +23,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from rewriter import marked_classes, rewrite_source  # noqa: E402
+from annot.rewriter import marked_classes, rewrite_source  # noqa: E402
 
 # Call shapes the two real models do not have: a 1-tuple result indexed later or at once,
 # keyword tensors named like torch checkpoint's own options, tuple targets, a Sequential.

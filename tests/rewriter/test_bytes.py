@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rewriter import rewrite_source, undo_source
+from annot.rewriter import rewrite_source, undo_source
 
 MODEL = """\
 # -*- coding: utf-8 -*-

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rewriter.cli import main
+from annot.rewriter.cli import main
 
 GOLDEN = Path(__file__).parent / "golden"
 SRC = (GOLDEN / "loop_positional.py").read_text(encoding="utf-8")

@@ -9,7 +9,7 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
-from rewriter import rewrite_source, undo_source
+from annot.rewriter import rewrite_source, undo_source
 
 transformers = pytest.importorskip("transformers")
 FILES = sorted(Path(transformers.__file__).parent.glob("models/*/modeling_*.py"))

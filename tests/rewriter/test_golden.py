@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rewriter import marked_classes, rewrite_source, undo_source
+from annot.rewriter import marked_classes, rewrite_source, undo_source
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = sorted(p.stem for p in GOLDEN.glob("*.py"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rewriter import marked_classes
+from annot.rewriter import marked_classes
 
 
 def test_bare_and_called_markers() -> None:

@@ -133,7 +133,7 @@ def test_call_on_the_line_of_its_for(rewrite, target, header) -> None:
 
 
 def test_deepspeed_function_keyword_collides(header) -> None:
-    from rewriter import rewrite_source
+    from annot.rewriter import rewrite_source
 
     source = (
         header

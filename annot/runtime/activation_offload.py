@@ -27,7 +27,7 @@ saved through autograd (torch's non-reentrant checkpoint before its own hooks ta
 DeepSpeed's reentrant one in ``save_for_backward``), and those go to the host; the rest
 is recomputed in backward, and the recomputation reads the inputs back from the host.
 The hooks are never pushed under another checkpoint or during a recomputation in
-backward (see `annot._autograd_state`): there they would keep on the host what the
+backward (see `annot.runtime.autograd_state`): there they would keep on the host what the
 checkpoint drops.
 """
 
@@ -41,9 +41,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from annot._autograd_state import under_outer_checkpoint
-from annot._units import unit_paths
-from policies import Action, Plan
+from annot.runtime.autograd_state import under_outer_checkpoint
+from annot.runtime.units import unit_paths
+from annot.policies import Action, Plan
 
 __all__ = [
     "ActivationOffloader",

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from annot._progress import Progress
-from annot._safetensors import SafetensorsWriter
-from annot.loading import INDEX, SINGLE, CheckpointError, _state_names
-from annot.materialization import flat_parts
+from annot.checkpoint_io.safetensors_file import SafetensorsWriter
+from annot.checkpoint_io.loading import INDEX, SINGLE, CheckpointError, _state_names
+from annot.meta.materialization import flat_parts
 
 __all__ = ["save"]
 

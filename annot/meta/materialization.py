@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
 from annot._progress import Progress
-from annot.deferred import UNINITIALIZED, DeferredInit, DeferredInitError, Ref, deferred_init_of
+from annot.meta.deferred import UNINITIALIZED, DeferredInit, DeferredInitError, Ref, deferred_init_of
 
 __all__ = ["FlatPart", "ReplayStats", "flat_parts", "materialize", "replay_stats"]
 

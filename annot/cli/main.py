@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "rewrite":
         # Before argparse and before anything imports torch: `annot rewrite --help` is fast.
-        from rewriter.cli import main as rewrite_main
+        from annot.rewriter.cli import main as rewrite_main
 
         return rewrite_main(argv[1:], prog="annot rewrite")
     args = _parser().parse_args(argv)
@@ -110,8 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from annot._targets import build_target, read_options
-    from policies import AnnotError, PlanError, Policy, default_policy, make_plan, parse_rule
+    from annot.cli.targets import build_target, read_options
+    from annot.policies import AnnotError, PlanError, Policy, default_policy, make_plan, parse_rule
 
     try:
         gpu_mem = _size(args.gpu_mem, "--gpu-mem")

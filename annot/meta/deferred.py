@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from policies.errors import AnnotError
+from annot.policies.errors import AnnotError
 
 __all__ = [
     "UNINITIALIZED",
@@ -191,7 +191,7 @@ def meta_init() -> Iterator[None]:
     rng_state = torch.get_rng_state()
     built: list[nn.Module] = []
     original_call = _capture_roots(built)
-    from annot._opaque_init import opaque_inits
+    from annot.meta.opaque_init import opaque_inits
 
     try:
         with opaque_inits(), fake_mode, recorder:

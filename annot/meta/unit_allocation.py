@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from annot.deferred import deferred_init_of
+from annot.meta.deferred import deferred_init_of
 
 __all__ = ["UnitAllocator", "module_tensors", "unit_allocation_peak"]
 

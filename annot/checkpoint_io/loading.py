@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from annot._progress import Progress
-from annot._safetensors import SafetensorsFile
-from annot.deferred import deferred_init_of
-from annot.materialization import FlatPart, flat_parts, materialize
-from policies.errors import AnnotError
+from annot.checkpoint_io.safetensors_file import SafetensorsFile
+from annot.meta.deferred import deferred_init_of
+from annot.meta.materialization import FlatPart, flat_parts, materialize
+from annot.policies.errors import AnnotError
 
 __all__ = ["CheckpointError", "LoadReport", "check_keys", "load", "load_logged"]
 
@@ -229,7 +229,7 @@ def _rows(target: torch.Tensor) -> tuple[int, int] | None:
 def _key_renamer(model: nn.Module):
     """transformers' checkpoint-to-model key renaming for a ``PreTrainedModel`` (files
     written by ``save_pretrained`` may use legacy names); None for any other model."""
-    from annot.huggingface import checkpoint_renamer, is_pretrained_model
+    from annot.huggingface.pretrained import checkpoint_renamer, is_pretrained_model
 
     model = model._modules.get(_FSDP1_WRAPPED, model)  # an FSDP1 root: the model it wraps
     return checkpoint_renamer(model) if is_pretrained_model(model) else None

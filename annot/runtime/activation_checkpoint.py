@@ -18,7 +18,7 @@ checkpoint (a model rewritten by ``annot rewrite``, a hand-written
 block, HuggingFace's ``gradient_checkpointing_enable``): a second checkpoint would only
 add a recomputation. The first such call warns once per class and marks the module
 (`has_outer_checkpoint`). How it is detected, and the limits, are in
-`annot._autograd_state`.
+`annot.runtime.autograd_state`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from annot._autograd_state import under_outer_checkpoint
-from annot._units import unit_paths
-from policies import Action, Plan
+from annot.runtime.autograd_state import under_outer_checkpoint
+from annot.runtime.units import unit_paths
+from annot.policies import Action, Plan
 
 __all__ = [
     "apply_checkpointing",

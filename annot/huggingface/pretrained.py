@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from annot.loading import CheckpointError
+from annot.checkpoint_io.loading import CheckpointError
 
 __all__ = [
     "AUTO_CLASS_ORDER",
@@ -41,7 +41,7 @@ __all__ = [
     "prepare_for_training",
 ]
 
-logger = logging.getLogger("annot.huggingface")
+logger = logging.getLogger("annot.huggingface.pretrained")
 
 # Tried in this order when neither ``auto_class=`` nor the config's ``architectures``
 # names a class transformers has: the head a training script most likely wants first.
@@ -110,7 +110,7 @@ def from_pretrained(
     if engine is None:
         if auto_wrap_options:
             raise ValueError(f"engine=None takes no auto_wrap options, got {', '.join(auto_wrap_options)}")
-        from annot.loading import load_logged
+        from annot.checkpoint_io.loading import load_logged
 
         load_logged(model, path, None)
         return model.eval()
@@ -118,7 +118,7 @@ def from_pretrained(
 
 
 def _refuse_mismatch(model: nn.Module, path: Path) -> None:
-    from annot.loading import check_keys
+    from annot.checkpoint_io.loading import check_keys
 
     missing, unexpected = check_keys(model, path)
     if missing or unexpected:
@@ -156,7 +156,7 @@ def build_pretrained(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
 
-    from annot.deferred import meta_init
+    from annot.meta.deferred import meta_init
 
     path = _model_dir(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
@@ -220,7 +220,7 @@ def keep_in_fp32_names(model: nn.Module, dtype: torch.dtype) -> list[str]:
     ``_keep_in_fp32_modules`` for float16, plus ``_keep_in_fp32_modules_strict`` for
     float16 and bfloat16 (transformers 5's rule). A name matches a module whose path has
     it as a component."""
-    from policies.rules import declared_names, modules_named
+    from annot.policies.rules import declared_names, modules_named
 
     names = declared_names(model, "_keep_in_fp32_modules_strict") if dtype in (
         torch.float16, torch.bfloat16) else []
@@ -231,7 +231,7 @@ def keep_in_fp32_names(model: nn.Module, dtype: torch.dtype) -> list[str]:
 
 def prepare_for_training(model: nn.Module, *, checkpointing: bool) -> list[str]:
     """Adjust a ``PreTrainedModel`` for `auto_wrap`; returns what was changed, in words
-    (each also logged on the ``annot.huggingface`` logger).
+    (each also logged on the ``annot.huggingface.pretrained`` logger).
 
     ``checkpointing``: whether annot checkpoints some of its units. If so and
     transformers' own activation checkpointing is on, it is turned off (annot's runs

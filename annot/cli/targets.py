@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from policies.errors import AnnotError
+from annot.policies.errors import AnnotError
 
 __all__ = ["TargetError", "build_target", "read_options"]
 

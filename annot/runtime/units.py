@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies import Action, Plan
+from annot.policies import Action, Plan
 
 __all__ = ["unit_paths"]
 
