@@ -13,21 +13,24 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from annot.meta.deferred import DeferredInitError, build, meta_init, register_init
+    from annot.engines.base import Trainable
+    from annot.engines.ddp import DDPOptions
+    from annot.engines.deepspeed import DeepSpeedOptions
     from annot.engines.deepspeed_config import deepspeed_config
-    from annot.engines.fsdp1 import fsdp1_policies
+    from annot.engines.fsdp1 import FSDP1Options, fsdp1_policies
+    from annot.engines.fsdp2 import FSDP2Options
     from annot.errors import (
+        CheckpointError,
         EngineNotAvailableError,
         MetaDeviceError,
         OptimizerOrderError,
         ProcessGroupNotInitializedError,
     )
     from annot.huggingface.pretrained import PretrainedPathError, from_pretrained
-    from annot.checkpoint_io.loading import CheckpointError, load
     from annot.markers import checkpoint_block, get_mark, mark, offload_block, shard_block, unmark
-    from annot.meta.materialization import materialize
     from annot.memory import estimate_memory
     from annot.planning import plan
-    from annot.checkpoint_io.saving import save
+    from annot.values import load, materialize, save
     from annot.wrap import auto_wrap
     from annot.policies import (
         Plan,
@@ -43,17 +46,17 @@ if TYPE_CHECKING:
     from annot.policies.errors import AnnotError, PlanError
 
 _EXPORTS = {
-    "AnnotError": "policies.errors",
-    "PlanError": "policies.errors",
-    "Plan": "policies",
-    "Policy": "policies",
-    "by_class": "policies",
-    "by_name": "policies",
-    "by_size": "policies",
-    "every_nth": "policies",
-    "marked": "policies",
-    "no_split_modules": "policies",
-    "repeated_blocks": "policies",
+    "AnnotError": "annot.policies.errors",
+    "PlanError": "annot.policies.errors",
+    "Plan": "annot.policies",
+    "Policy": "annot.policies",
+    "by_class": "annot.policies",
+    "by_name": "annot.policies",
+    "by_size": "annot.policies",
+    "every_nth": "annot.policies",
+    "marked": "annot.policies",
+    "no_split_modules": "annot.policies",
+    "repeated_blocks": "annot.policies",
     "checkpoint_block": "annot.markers",
     "get_mark": "annot.markers",
     "mark": "annot.markers",
@@ -65,10 +68,15 @@ _EXPORTS = {
     "build": "annot.meta.deferred",
     "register_init": "annot.meta.deferred",
     "DeferredInitError": "annot.meta.deferred",
-    "materialize": "annot.meta.materialization",
-    "load": "annot.checkpoint_io.loading",
-    "save": "annot.checkpoint_io.saving",
-    "CheckpointError": "annot.checkpoint_io.loading",
+    "materialize": "annot.values",
+    "load": "annot.values",
+    "save": "annot.values",
+    "Trainable": "annot.engines.base",
+    "FSDP2Options": "annot.engines.fsdp2",
+    "FSDP1Options": "annot.engines.fsdp1",
+    "DDPOptions": "annot.engines.ddp",
+    "DeepSpeedOptions": "annot.engines.deepspeed",
+    "CheckpointError": "annot.errors",
     "from_pretrained": "annot.huggingface.pretrained",
     "PretrainedPathError": "annot.huggingface.pretrained",
     "estimate_memory": "annot.memory",
@@ -84,8 +92,12 @@ _EXPORTS = {
 __all__ = [
     "AnnotError",
     "CheckpointError",
+    "DDPOptions",
+    "DeepSpeedOptions",
     "DeferredInitError",
     "EngineNotAvailableError",
+    "FSDP1Options",
+    "FSDP2Options",
     "MetaDeviceError",
     "OptimizerOrderError",
     "Plan",
@@ -93,6 +105,7 @@ __all__ = [
     "Policy",
     "PretrainedPathError",
     "ProcessGroupNotInitializedError",
+    "Trainable",
     "auto_wrap",
     "by_class",
     "by_name",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from annot.policies.errors import AnnotError
 
 __all__ = [
+    "CheckpointError",
     "EngineNotAvailableError",
     "MetaDeviceError",
     "OptimizerOrderError",
@@ -31,3 +32,7 @@ class OptimizerOrderError(AnnotError, RuntimeError):
 
 class EngineNotAvailableError(AnnotError, NotImplementedError):
     """The engine name is known but annot cannot apply a Plan to it (yet)."""
+
+
+class CheckpointError(AnnotError, ValueError):
+    """A checkpoint is missing, malformed, or does not match the model."""

@@ -6,7 +6,7 @@ from torch import nn
 
 from annot.policies import Plan, Policy, Rule, make_plan
 
-__all__ = ["plan"]
+__all__ = ["plan", "resolve_plan"]
 
 
 def plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
@@ -17,3 +17,20 @@ def plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
     `annot.PlanError` when the plan would be wrong or would do nothing.
     """
     return make_plan(model, policy)
+
+
+def resolve_plan(model: nn.Module, policy: Policy | Rule | Plan | None) -> Plan:
+    """The Plan for ``model``: ``policy`` itself if it is one (checked against the model),
+    else planned from it."""
+    if not isinstance(policy, Plan):
+        return make_plan(model, policy)
+    for unit in policy.units:
+        for path in unit.modules:
+            try:
+                model.get_submodule(path)
+            except AttributeError:
+                raise ValueError(
+                    f"the Plan names module {path!r}, which {type(model).__name__} does not "
+                    "have: was the Plan made for another model?"
+                ) from None
+    return policy

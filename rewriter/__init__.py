@@ -3,7 +3,7 @@
 A libcst codemod (it imports libcst and the standard library only, never torch) that
 wraps the block calls in ``forward`` methods in ``deepspeed.checkpointing.checkpoint`` or
 ``torch.utils.checkpoint.checkpoint``, keeps every other byte, and can undo itself.
-``annot rewrite`` is the command line (`rewriter.cli.main`).
+``annot rewrite`` is the command line (`annot.rewriter.cli.main`).
 
 Names are loaded on first use, so ``annot rewrite --help`` does not pay for libcst.
 """
@@ -26,13 +26,13 @@ __all__ = [
     "undo_source",
 ]
 
-_HOME = {name: "rewriter.codemod" for name in __all__} | {"marked_classes": "rewriter.marks"}
+_HOME = {name: f"{__name__}.codemod" for name in __all__} | {"marked_classes": f"{__name__}.marks"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _HOME:
         return getattr(importlib.import_module(_HOME[name]), name)
-    raise AttributeError(f"module 'rewriter' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -1,7 +1,7 @@
-"""``python -m rewriter PATH...``: the same as ``annot rewrite PATH...``."""
+"""``python -m annot.rewriter PATH...``: the same as ``annot rewrite PATH...``."""
 
 import sys
 
 from annot.rewriter.cli import main
 
-sys.exit(main(prog="python -m rewriter"))
+sys.exit(main(prog="python -m annot.rewriter"))

@@ -23,22 +23,17 @@ from torch import nn
 
 from annot._progress import Progress
 from annot.checkpoint_io.safetensors_file import SafetensorsFile
+from annot.errors import CheckpointError
+from annot.huggingface.keys import checkpoint_renamer
+from annot.huggingface.model import is_pretrained_model
 from annot.meta.deferred import deferred_init_of
-from annot.meta.materialization import FlatPart, flat_parts, materialize
-from annot.policies.errors import AnnotError
+from annot.meta.layout import WHOLE, FlatPart, ShardLayout
+from annot.meta.materialization import materialize
 
-__all__ = ["CheckpointError", "LoadReport", "check_keys", "load", "load_logged"]
+__all__ = ["CheckpointError", "LoadReport", "check_keys", "load", "load_logged", "state_names"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# FSDP1 inserts a module under this name above each module it wraps; not part of any key.
-_FSDP1_WRAPPED = "_fsdp_wrapped_module"
-
-
-class CheckpointError(AnnotError, ValueError):
-    """A checkpoint is missing, malformed, or does not match the model."""
-
-
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
     """What a `load` did: keys the model has but the checkpoint lacks, keys the checkpoint
@@ -51,33 +46,35 @@ class LoadReport:
 
 
 def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
-         device: torch.device | str | None = None) -> LoadReport:
+         device: torch.device | str | None = None, layout: ShardLayout = WHOLE) -> LoadReport:
     """Load ``path`` into ``model`` in place and return a `LoadReport`.
 
     ``strict=True`` raises `CheckpointError` listing missing and unexpected keys;
     ``strict=False`` loads what matches and reports the rest. A model still on the meta
     device is allocated first (``device``, default CPU or its mesh's device); its
     non-persistent buffers are recomputed from its `annot.meta_init` record, and the
-    initialization of what the checkpoint provides is skipped.
+    initialization of what the checkpoint provides is skipped. ``layout`` is where an
+    engine that shards flattened parameters keeps them (`annot.load` asks the engines).
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if (path / ".metadata").is_file():
-        return _load_dcp(model, path, strict)
-    match = _match(model, path)
+        return _load_dcp(model, path, strict, layout)
+    match = _match(model, path, layout)
     missing, unexpected, groups, available = match.missing, match.unexpected, match.groups, match.available
     if strict and (missing or unexpected):
         raise CheckpointError(_mismatch(path, missing, unexpected))
     provided = {n for group in groups if any(m in available for m in group) for n in group}
-    _allocate(model, device, skip=provided)
-    loaded, read = _fill_from_safetensors(model, groups, available, match.file_key)
+    _allocate(model, device, skip=provided, layout=layout)
+    loaded, read = _fill_from_safetensors(model, groups, available, match.file_key, layout)
     return LoadReport(tuple(missing), tuple(unexpected), loaded, read)
 
 
-def load_logged(model: nn.Module, path: str | os.PathLike[str], device: torch.device | None) -> None:
+def load_logged(model: nn.Module, path: str | os.PathLike[str], device: torch.device | None,
+                layout: ShardLayout = WHOLE) -> None:
     """`annot.load` without strictness; what did not match is logged, not silent."""
-    report = load(model, path, strict=False, device=device)
+    report = load(model, path, strict=False, device=device, layout=layout)
     for what, keys in (("kept their initialization (not in the checkpoint)", report.missing),
                        ("were ignored (not in the model)", report.unexpected)):
         if keys:
@@ -96,10 +93,10 @@ class _Match:
     file_key: dict[str, str]  # model name -> its key in that file
 
 
-def _match(model: nn.Module, path: Path) -> _Match:
+def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
     files = _safetensors_files(path)
-    names = _state_names(model)
-    rename = _key_renamer(model)
+    names = state_names(model, layout)
+    rename = _key_renamer(layout.bare_model(model))
     available: dict[str, Path] = {}
     file_key: dict[str, str] = {}
     for file, keys in files.items():
@@ -113,10 +110,11 @@ def _match(model: nn.Module, path: Path) -> _Match:
     return _Match(missing, unexpected, groups, available, file_key)
 
 
-def check_keys(model: nn.Module, path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
+def check_keys(model: nn.Module, path: str | os.PathLike[str],
+               layout: ShardLayout = WHOLE) -> tuple[list[str], list[str]]:
     """``(missing, unexpected)`` keys of the safetensors checkpoint at ``path`` against
     ``model``, reading only file headers (nothing allocated)."""
-    match = _match(model, Path(path))
+    match = _match(model, Path(path), layout)
     return match.missing, match.unexpected
 
 
@@ -155,11 +153,12 @@ def _safetensors_files(path: Path) -> dict[Path, list[str]]:
     return out
 
 
-def _state_names(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every name a state dict of ``model`` has (tied names included), with its tensor."""
+def state_names(model: nn.Module, layout: ShardLayout = WHOLE) -> dict[str, torch.Tensor]:
+    """Every name a state dict of the bare ``model`` has (tied names included), with its
+    tensor; an engine's wrapper levels (``layout``) are left out of the names."""
     out: dict[str, torch.Tensor] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        path = ".".join(part for part in path.split(".") if part != _FSDP1_WRAPPED)
+        path = layout.clean(path)
         prefix = f"{path}." if path else ""
         for name, param in module._parameters.items():
             if param is not None:
@@ -183,7 +182,8 @@ def _tied_groups(model: nn.Module, names: dict[str, torch.Tensor]) -> list[list[
     return list(by_tensor.values())
 
 
-def _allocate(model: nn.Module, device: torch.device | str | None, skip: set[str]) -> None:
+def _allocate(model: nn.Module, device: torch.device | str | None, skip: set[str],
+              layout: ShardLayout) -> None:
     """Give a meta model storage (or, after an engine allocated it unit by unit, values)
     for what the checkpoint does not provide; ``skip`` names what it does."""
     tensors = list(model.parameters()) + list(model.buffers())
@@ -191,7 +191,7 @@ def _allocate(model: nn.Module, device: torch.device | str | None, skip: set[str
     if not any(_local(t).is_meta for t in tensors) and not (record is not None and record.pending):
         return
     if record is not None:
-        materialize(model, device=device, skip=skip)
+        materialize(model, device=device, skip=skip, layout=layout)
         return
     meta_buffers = [
         f"{path}.{name}" if path else name
@@ -229,16 +229,14 @@ def _rows(target: torch.Tensor) -> tuple[int, int] | None:
 def _key_renamer(model: nn.Module):
     """transformers' checkpoint-to-model key renaming for a ``PreTrainedModel`` (files
     written by ``save_pretrained`` may use legacy names); None for any other model."""
-    from annot.huggingface.pretrained import checkpoint_renamer, is_pretrained_model
-
-    model = model._modules.get(_FSDP1_WRAPPED, model)  # an FSDP1 root: the model it wraps
     return checkpoint_renamer(model) if is_pretrained_model(model) else None
 
 
 def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
-                           available: dict[str, Path], file_key: dict[str, str]) -> tuple[int, int]:
-    names = _state_names(model)
-    parts = flat_parts(model)
+                           available: dict[str, Path], file_key: dict[str, str],
+                           layout: ShardLayout) -> tuple[int, int]:
+    names = state_names(model, layout)
+    parts = layout.parts
     by_file: dict[Path, list[tuple[str, list[str]]]] = defaultdict(list)
     for group in groups:
         source = next((n for n in group if n in available), None)
@@ -293,10 +291,10 @@ def _fill_flat_parts(handle: SafetensorsFile, source: str, parts: list[FlatPart]
     return read
 
 
-def _load_dcp(model: nn.Module, path: Path, strict: bool) -> LoadReport:
+def _load_dcp(model: nn.Module, path: Path, strict: bool, layout: ShardLayout) -> LoadReport:
     import torch.distributed.checkpoint as dcp
 
-    _allocate(model, None, skip=set(_state_names(model)))
+    _allocate(model, None, skip=set(state_names(model, layout)), layout=layout)
     state = model.state_dict()
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     keys = set(metadata.state_dict_metadata)

@@ -18,8 +18,9 @@ from torch import nn
 
 from annot._progress import Progress
 from annot.checkpoint_io.safetensors_file import SafetensorsWriter
-from annot.checkpoint_io.loading import INDEX, SINGLE, CheckpointError, _state_names
-from annot.meta.materialization import flat_parts
+from annot.checkpoint_io.loading import INDEX, SINGLE, state_names
+from annot.errors import CheckpointError
+from annot.meta.layout import WHOLE, ShardLayout
 
 __all__ = ["save"]
 
@@ -27,7 +28,8 @@ DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 
 
 def save(model: nn.Module, directory: str | os.PathLike[str], *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-         dtype: torch.dtype | None = None, overwrite: bool = False) -> list[Path]:
+         dtype: torch.dtype | None = None, overwrite: bool = False,
+         layout: ShardLayout = WHOLE) -> list[Path]:
     """Write ``model``'s state (parameters and persistent buffers; a tied parameter once,
     under its first name) to ``directory`` as ``model.safetensors`` or, above
     ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` shards with
@@ -39,10 +41,10 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *, max_shard_bytes
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if directory.exists() and any(directory.iterdir()) and not overwrite:
         raise CheckpointError(f"{directory} exists and is not empty: pass overwrite=True to replace it")
-    tensors = _unique(model)
+    tensors = _unique(model, layout)
     if any(_local(t).is_meta for t in tensors.values()):
         raise CheckpointError("the model still has meta tensors: materialize or load it before saving")
-    if flat_parts(model):
+    if layout.flat:
         raise CheckpointError(
             "annot.save writes plain and FSDP2 models; for FSDP1 or DeepSpeed ZeRO-3 use the "
             "engine's own checkpointing (FSDP1 full state dict, DeepSpeed save_checkpoint)")
@@ -85,10 +87,10 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *, max_shard_bytes
     return [directory / f.name for f in files]
 
 
-def _unique(model: nn.Module) -> dict[str, torch.Tensor]:
+def _unique(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, tensor in _state_names(model).items():
+    for name, tensor in state_names(model, layout).items():
         if id(tensor) not in seen:
             seen.add(id(tensor))
             out[name] = tensor

@@ -178,17 +178,18 @@ def _build_hf(model_type: str | None, options: dict[str, Any], directory: Path |
     except (ValueError, KeyError, OSError, TypeError) as exc:
         what = f"hf:{model_type}" if directory is None else str(directory)
         raise TargetError(f"{what}: {_one_line(exc)}") from None
-    auto_classes = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
-                    "AutoModelForImageClassification", "AutoModel")
-    for name in auto_classes:
-        auto = getattr(transformers, name)
-        if type(config) in auto._model_mapping:
-            try:
-                with torch.device("meta"):
-                    return auto.from_config(config)
-            except Exception as exc:
-                raise TargetError(f"building {type(config).__name__} model failed: {_one_line(exc)}") from None
-    raise TargetError(f"no transformers model class for config {type(config).__name__}")
+    from annot.huggingface.model import model_factory
+
+    try:
+        # The class `annot.from_pretrained` builds for this directory or config.
+        factory = model_factory(config)
+    except ValueError as exc:
+        raise TargetError(f"{type(config).__name__}: {_one_line(exc)}") from None
+    try:
+        with torch.device("meta"):
+            return factory(config, dtype=getattr(config, "dtype", None) or torch.float32)
+    except Exception as exc:
+        raise TargetError(f"building {type(config).__name__} model failed: {_one_line(exc)}") from None
 
 
 def _one_line(exc: BaseException) -> str:

@@ -1,5 +1,7 @@
-"""One module per engine; each has one function that owns the order of steps.
+"""The engines: one module per engine, each an `annot.engines.base.Engine` with a frozen
+options dataclass; `annot.wrap.auto_wrap` owns the order in which their steps run.
 
-`annot.wrap.auto_wrap` resolves the engine name and calls the function. These modules
-import torch.distributed (and DeepSpeed inside functions), which `import annot` avoids.
+These modules import torch.distributed (and DeepSpeed inside functions), which
+``import annot`` avoids. Engine internals (FSDP1's flat parameters, ZeRO-3's
+``ds_tensor``, wrapper module names) are read only here.
 """

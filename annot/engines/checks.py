@@ -7,17 +7,20 @@ them before touching the model.
 
 from __future__ import annotations
 
-import gc
 import os
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from annot.errors import MetaDeviceError, OptimizerOrderError, ProcessGroupNotInitializedError
 
 __all__ = [
-    "check_no_optimizer",
+    "forbid_stale_optimizers",
     "check_not_meta",
     "default_device",
     "require_process_group",
@@ -58,29 +61,53 @@ def check_not_meta(model: nn.Module) -> None:
         )
 
 
-def check_no_optimizer(model: nn.Module, engine: str) -> None:
-    """Raise `OptimizerOrderError` if a live optimizer already holds one of ``model``'s
-    parameters.
+def forbid_stale_optimizers(before: list[nn.Parameter], wrapped: nn.Module, engine: str) -> None:
+    """Make an optimizer built before wrapping fail at its first ``step``.
 
-    Sharding engines replace the parameters (FSDP2 with DTensors, FSDP1 and ZeRO with
-    flat buffers), so an optimizer built before wrapping keeps stepping the old tensors:
-    training silently does nothing (DESIGN.md lesson 6). The scan walks the objects the
-    garbage collector tracks once, which costs milliseconds next to wrapping a model.
+    An engine that replaces parameter objects (FSDP2: DTensor parameters) leaves an
+    optimizer built before it stepping tensors the model no longer uses: training would
+    silently do nothing (docs/design.md, pitfall 6). ``before`` are the parameters as they
+    were; those ``wrapped`` no longer holds are remembered (weakly), and a global
+    optimizer step hook raises `OptimizerOrderError` when an optimizer holding one steps.
+    Costs one pass over the parameters here and a dictionary lookup per ``step``
+    (each optimizer is checked again only when its parameter count changes).
     """
-    own = {id(p) for p in model.parameters()}
-    if not own:
+    kept = {id(p) for p in wrapped.parameters()}
+    for param in before:
+        if id(param) not in kept:
+            _REPLACED[id(param)] = (weakref.ref(param, _forget(id(param))), engine, type(wrapped).__name__)
+    global _HOOK
+    if _HOOK is None and _REPLACED:
+        _HOOK = register_optimizer_step_pre_hook(_refuse_stale)
+
+
+# id(parameter) -> (weak reference, engine, model class) for parameters an engine replaced.
+_REPLACED: dict[int, tuple[weakref.ref[nn.Parameter], str, str]] = {}
+# optimizer -> parameter count when it was last checked.
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_HOOK: Any = None
+
+
+def _forget(key: int) -> Callable[[Any], None]:
+    def drop(_: Any) -> None:
+        _REPLACED.pop(key, None)
+    return drop
+
+
+def _refuse_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _CHECKED.get(optimizer) == count:
         return
-    gc.collect()  # an optimizer the user dropped but a reference cycle still holds is not one
-    for obj in gc.get_objects():
-        # issubclass(type(...)): isinstance() would read __class__ on every object, and
-        # some module-like objects warn when touched that way.
-        if issubclass(type(obj), torch.optim.Optimizer) and any(
-            id(p) in own for group in obj.param_groups for p in group["params"]
-        ):
-            raise OptimizerOrderError(
-                f"a {type(obj).__name__} built before annot.auto_wrap(engine={engine!r}) holds "
-                f"parameters of {type(model).__name__}; {engine} replaces them, so that "
-                "optimizer would update tensors the model no longer uses. Build the optimizer "
-                "after wrapping: model = annot.auto_wrap(model, ...); "
-                "opt = torch.optim.AdamW(model.parameters())."
-            )
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            entry = _REPLACED.get(id(param))
+            if entry is not None and entry[0]() is param:
+                _, engine, model = entry
+                raise OptimizerOrderError(
+                    f"this {type(optimizer).__name__} was built before annot.auto_wrap("
+                    f"engine={engine!r}) and holds parameters of {model} that {engine} replaced: "
+                    "it would update tensors the model no longer uses. Build the optimizer "
+                    "after wrapping: model = annot.auto_wrap(model, ...); "
+                    "opt = torch.optim.AdamW(model.parameters()), or pass "
+                    "optimizer=lambda params: torch.optim.AdamW(params) to auto_wrap.")
+    _CHECKED[optimizer] = count

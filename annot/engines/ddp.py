@@ -2,39 +2,77 @@
 
 DDP replicates the whole model, so the Plan's shard units play no part; its
 checkpointing and activation offload do (DDP cannot offload parameters, so a Plan's
-offload mark means activation offload here: `annot.runtime.activation_offload`). The order of
-steps: move the model to this rank's device, checkpoint the Plan's modules, hook
-activation offload around the offloaded ones, then wrap (DDP registers its gradient
-hooks on the parameters as they are at wrap time, and broadcasts rank 0's parameters
-and buffers to the others).
+offload mark means activation offload here: `annot.runtime.activation_offload`). The
+order of steps: checkpoint the Plan's modules and hook activation offload around the
+offloaded ones (`DDP.prepare`), give a `meta_init` model its values on this rank's
+device (DDP broadcasts rank 0's values when it wraps, so they must exist first), then
+move the model to the device and wrap (DDP registers its gradient hooks on the
+parameters as they are at wrap time).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from annot.engines.base import Engine, WrapRequest, refuse_nvme_marks
+from annot.policies import Plan
 from annot.runtime.activation_checkpoint import apply_checkpointing
-from annot.runtime.activation_offload import apply_activation_offload
+from annot.runtime.activation_offload import apply_activation_offload, offloaded_activation_paths
 
-__all__ = ["apply_ddp"]
+__all__ = ["DDP", "DDPOptions", "apply_ddp"]
 
 
-def apply_ddp(
-    model: nn.Module,
-    *,
-    checkpoint_paths: Sequence[str],
-    device: torch.device,
-    offload_activation_paths: Sequence[str] = (),
-) -> DistributedDataParallel:
-    """Wrap ``model`` in DDP on ``device``; its ``.module`` is ``model`` with unchanged names.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DDPOptions:
+    """Options of ``engine="ddp"``.
 
-    ``offload_activation_paths``: modules whose saved activations wait on the host."""
+    Args:
+        offload_activations: keep what autograd saves in a unit's forward on the host
+            until backward: ``None`` the units the Plan marks offload (DDP has no
+            parameter offload, so that is what the mark means here), ``True`` every
+            unit, ``False`` none.
+    """
+
+    offload_activations: bool | None = None
+
+
+class DDP(Engine[DDPOptions]):
+    """torch DDP: the whole model replicated on every rank."""
+
+    name = "ddp"
+    Options = DDPOptions
+    fills_before_wrap = True
+
+    def hint(self, option: str) -> str:
+        return {
+            "offload": "DDP keeps every parameter on the device; offload_activations=True "
+                       "offloads activations, engine='fsdp2' offloads parameters",
+            "mixed_precision": "with DDP use torch.autocast in the training step",
+            "reshard_after_forward": "DDP does not shard; use engine='fsdp2'",
+            "mesh": "DDP replicates over the default process group",
+        }.get(option, "")
+
+    def check(self, model: nn.Module, plan: Plan, options: DDPOptions) -> None:
+        refuse_nvme_marks(plan, self.name)
+
+    def prepare(self, model: nn.Module, request: WrapRequest, options: DDPOptions,
+                checkpoint_paths: Sequence[str]) -> None:
+        apply_checkpointing(model, checkpoint_paths)
+        apply_activation_offload(
+            model, offloaded_activation_paths(request.plan, options.offload_activations))
+
+    def wrap(self, model: nn.Module, request: WrapRequest, options: DDPOptions) -> nn.Module:
+        return apply_ddp(model, device=request.device)
+
+
+def apply_ddp(model: nn.Module, *, device: torch.device) -> DistributedDataParallel:
+    """Move ``model`` to ``device`` and wrap it in DDP; its ``.module`` is ``model`` with
+    unchanged names."""
     model.to(device)
-    apply_checkpointing(model, checkpoint_paths)
-    apply_activation_offload(model, offload_activation_paths)
     device_ids = [device] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)

@@ -1,48 +1,54 @@
 """DeepSpeed ZeRO driven by a Plan.
 
-The order of steps:
-1. ``deepspeed.checkpointing.configure`` with the config, without which DeepSpeed ignores
-   the config's ``activation_checkpointing`` section (DESIGN.md lesson 9);
-2. checkpoint the Plan's modules at run time with DeepSpeed's checkpoint, so partitioned
-   and CPU activation checkpoints apply (module names unchanged, as with torch engines);
-3. mark ZeRO-3 leaf modules (``leaf_modules``, e.g. MoE blocks, whose experts run in a
-   different order each step): ZeRO-3 then gathers a leaf's parameters all at once when
-   the leaf is entered instead of hooking its submodules, which must happen before
-   ``deepspeed.initialize`` installs those hooks;
-4. a model built under `annot.meta_init` gets its values: with ZeRO-3 each unit is
-   allocated and partitioned in turn (``deepspeed.zero.Init(module=unit)``), then the
-   partitions are filled from the construction record; before ``initialize``, which
-   copies the values into the optimizer's master weights;
-5. ``deepspeed.initialize``: ZeRO partitions what the stage says, then builds the
-   optimizer from the parameters it now manages. The optimizer is a factory called by
-   DeepSpeed, so it cannot be built on the parameters before partitioning.
+The engine contract's steps (`annot.engines.base`) for DeepSpeed:
+1. `DeepSpeed.prepare`: ``deepspeed.checkpointing.configure`` with the config, without
+   which DeepSpeed ignores the config's ``activation_checkpointing`` section
+   (docs/design.md, pitfall 9); the Plan's modules checkpointed at run time with
+   DeepSpeed's checkpoint, so partitioned and CPU activation checkpoints apply (module
+   names unchanged, as with torch engines); ZeRO-3 leaf modules marked (``leaf_modules``,
+   e.g. MoE blocks, whose experts run in a different order each step): ZeRO-3 then
+   gathers a leaf's parameters all at once when the leaf is entered instead of hooking
+   its submodules, which must happen before ``deepspeed.initialize`` installs those hooks;
+2. `DeepSpeed.wrap`: a model built under `annot.meta_init` is, with ZeRO-3, allocated
+   and partitioned one unit at a time (``deepspeed.zero.Init(module=unit)``);
+3. `DeepSpeed.fill`: the partitions (or, with ZeRO-1/2, the whole parameters) get their
+   values from the construction record or a checkpoint, before ``initialize`` copies
+   them into the optimizer's master weights;
+4. `DeepSpeed.trainable`: ``deepspeed.initialize``; ZeRO partitions what the stage says
+   and builds the optimizer from the parameters it now manages. The optimizer is a
+   factory DeepSpeed calls, so it cannot be built on the parameters before partitioning.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable, Sequence
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from annot.engines.base import Engine, OptimizerFactory, Trainable, WrapRequest, resolve_dtype
+from annot.engines.deepspeed_config import deepspeed_config
+from annot.meta.deferred import DeferredInitError
+from annot.meta.layout import FlatPart, ShardLayout
 from annot.meta.unit_allocation import UnitAllocator, module_tensors
-from annot.runtime.activation_checkpoint import apply_checkpointing
-from annot.checkpoint_io.loading import load_logged
-from annot.meta.materialization import materialize
-from annot.policies import Rule
+from annot.policies import Action, Plan, Rule
 from annot.policies.model_index import ModelIndex
+from annot.runtime.activation_checkpoint import apply_checkpointing
 
 __all__ = [
+    "DeepSpeed",
+    "DeepSpeedOptions",
+    "DeepSpeedTrainable",
     "LeafModules",
-    "apply_deepspeed",
     "deepspeed_checkpoint",
     "partition_unit_by_unit",
     "set_leaf_modules",
+    "shard_layout",
 ]
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 # Classes (or class names, as DeepSpeed takes them) or a rule selecting module instances.
 LeafModules = Rule | Sequence[type[nn.Module] | str]
 
@@ -101,56 +107,152 @@ def set_leaf_modules(model: nn.Module, leaf_modules: LeafModules) -> list[str]:
     return paths
 
 
-def apply_deepspeed(
-    model: nn.Module,
-    *,
-    checkpoint_paths: Sequence[str],
-    config: dict[str, Any],
-    optimizer: OptimizerFactory,
-    leaf_modules: LeafModules | None = None,
-    unit_paths: Sequence[str] = (),
-    device: torch.device | None = None,
-    load_from: str | os.PathLike[str] | None = None,
-) -> Any:
-    """Configure checkpointing, checkpoint ``checkpoint_paths``, mark ``leaf_modules`` as
-    ZeRO-3 leaves (ZeRO stage 3 only), and return the ``DeepSpeedEngine`` from
-    ``deepspeed.initialize`` (its ``.module`` is ``model``).
+_DEEPSPEED_PRECISION = {None: None, torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-    A model built under `annot.meta_init` is materialized before ``initialize`` (which
-    copies the values into the optimizer's master weights): with ZeRO-3 one unit of
-    ``unit_paths`` at a time (`partition_unit_by_unit`), so each rank holds its
-    partitions plus about one unit; with ZeRO-1/2, which keep whole parameters on every
-    rank, and with parameters offloaded to NVMe, all at once on ``device``. With
-    ``load_from`` its values are loaded from that checkpoint instead (`annot.load`: each
-    ZeRO-3 rank reads the rows its partitions cover)."""
-    import deepspeed
-    import torch.distributed as dist
 
-    stage = config.get("zero_optimization", {}).get("stage", 0)
-    if leaf_modules is not None and stage != 3:
-        raise ValueError(
-            f"leaf_modules is a ZeRO-3 setting, but the config's ZeRO stage is {stage}: "
-            "use stage 3 (auto_wrap's reshard_after_forward=True) or drop leaf_modules"
-        )
-    # DeepSpeed keeps its own communication backend; it wraps the process group torch
-    # already has, and `configure` below needs it before `initialize` would set it up.
-    deepspeed.init_distributed(dist_backend=dist.get_backend())
-    if checkpoint_paths:
-        deepspeed.checkpointing.configure(None, deepspeed_config=config)
-    apply_checkpointing(model, checkpoint_paths, deepspeed_checkpoint)
-    if leaf_modules is not None:
-        set_leaf_modules(model, leaf_modules)
-    if any(t.is_meta for t in module_tensors(model)):
-        if stage == 3 and not _params_swapped_to_nvme(config):
-            partition_unit_by_unit(model, unit_paths, config, device or torch.device("cpu"))
-        if load_from is not None:
-            load_logged(model, load_from, device)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepSpeedOptions:
+    """Options of ``engine="deepspeed"`` (needs ``optimizer=``, a factory DeepSpeed calls).
+
+    Args:
+        stage: the ZeRO stage, 1-3 (3 partitions parameters; default 3).
+        offload: ``None`` as the Plan marks, ``"none"``/``False``, ``"cpu"``/``True`` or
+            ``"nvme"`` (needs ``nvme_path``); stage 3 offloads parameters too.
+        nvme_path: a directory on a fast local disk, for ``offload="nvme"``.
+        mixed_precision: ``None``, ``"bf16"`` or ``"fp16"`` (or the dtype).
+        config: a whole DeepSpeed config to use instead of the one
+            `annot.deepspeed_config` writes from the options above (then leave them out).
+        leaf_modules: ZeRO-3 leaves (classes, class names, or a rule selecting module
+            instances, e.g. MoE blocks), gathered whole on entry.
+    """
+
+    stage: int | None = None
+    offload: bool | str | None = None
+    nvme_path: str | None = None
+    mixed_precision: torch.dtype | str | None = None
+    config: dict[str, Any] | None = None
+    leaf_modules: LeafModules | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offload", {True: "cpu", False: "none"}.get(self.offload, self.offload))  # type: ignore[arg-type]
+        dtype = resolve_dtype(self.mixed_precision)
+        if dtype not in _DEEPSPEED_PRECISION:
+            raise ValueError(
+                f"engine 'deepspeed' takes mixed_precision 'bf16', 'fp16' or None, not {dtype!r}")
+        object.__setattr__(self, "mixed_precision", dtype)
+        if self.config is not None and (self.offload is not None or dtype is not None
+                                        or self.stage is not None or self.nvme_path):
+            raise ValueError(
+                "engine 'deepspeed' with config=: set stage, offload and precision in the config "
+                "(annot.deepspeed_config(..., stage=..., offload=..., precision=...)), not here")
+
+
+class DeepSpeed(Engine[DeepSpeedOptions]):
+    """DeepSpeed ZeRO 1-3; `trainable` runs ``deepspeed.initialize``."""
+
+    name = "deepspeed"
+    Options = DeepSpeedOptions
+    #: DeepSpeed builds the optimizer itself, from a factory, after partitioning.
+    requires_optimizer = True
+
+    def __init__(self) -> None:
+        self.config: dict[str, Any] = {}
+
+    def hint(self, option: str) -> str:
+        return {
+            "reshard_after_forward": "DeepSpeed's ZeRO stage says it: stage=3 frees gathered "
+                                     "parameters after forward, stage=2 keeps them",
+            "offload_activations": "use DeepSpeed's own annot.deepspeed_config(..., "
+                                   "cpu_checkpointing=True) as config=",
+            "mesh": "DeepSpeed partitions over the default process group",
+        }.get(option, "")
+
+    def check(self, model: nn.Module, plan: Plan, options: DeepSpeedOptions) -> None:
+        self.config = options.config if options.config is not None else deepspeed_config(
+            plan, stage=3 if options.stage is None else options.stage, offload=options.offload,
+            nvme_path=options.nvme_path,
+            precision=_DEEPSPEED_PRECISION[options.mixed_precision])
+        stage = self.stage
+        if options.leaf_modules is not None and stage != 3:
+            raise ValueError(
+                f"leaf_modules is a ZeRO-3 setting, but the ZeRO stage is {stage}: use stage=3 "
+                "or drop leaf_modules")
+
+    @property
+    def stage(self) -> int:
+        return int(self.config.get("zero_optimization", {}).get("stage", 0))
+
+    def checkpoint_paths(self, model: nn.Module, plan: Plan, choice: bool | None) -> list[str]:
+        return _without_shared_parameters(model, super().checkpoint_paths(model, plan, choice))
+
+    def prepare(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions,
+                checkpoint_paths: Sequence[str]) -> None:
+        import deepspeed
+        import torch.distributed as dist
+
+        # DeepSpeed keeps its own communication backend; it wraps the process group torch
+        # already has, and `configure` below needs it before `initialize` would set it up.
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        if checkpoint_paths:
+            deepspeed.checkpointing.configure(None, deepspeed_config=self.config)
+        apply_checkpointing(model, checkpoint_paths, deepspeed_checkpoint)
+        if options.leaf_modules is not None:
+            set_leaf_modules(model, options.leaf_modules)
+
+    def wrap(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions) -> nn.Module:
+        if self.stage == 3 and not _params_swapped_to_nvme(self.config) and any(
+                t.is_meta for t in module_tensors(model)):
+            unit_paths = [m for u in request.plan.units if u.has(Action.SHARD) for m in u.modules]
+            partition_unit_by_unit(model, unit_paths, self.config, request.device)
+        return model
+
+    def layout(self, wrapped: nn.Module) -> ShardLayout:
+        return shard_layout(wrapped)
+
+    def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
+                  options: DeepSpeedOptions) -> Trainable:
+        import deepspeed
+
+        engine, ds_optimizer, *_ = deepspeed.initialize(
+            model=wrapped, optimizer=optimizer, model_parameters=wrapped.parameters(),
+            config=self.config)
+        return DeepSpeedTrainable(engine, model, ds_optimizer, self.name)
+
+
+class DeepSpeedTrainable(Trainable):
+    """The ``DeepSpeedEngine`` behind the shared surface: its ``backward`` (loss scaling,
+    gradient accumulation) and ``step``, which also clears the gradients."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.module.backward(loss)  # type: ignore[operator]
+
+    def step(self) -> None:
+        self.module.step()  # type: ignore[operator]
+
+    def zero_grad(self) -> None:
+        """Nothing to do: DeepSpeed's ``step`` clears the gradients at each boundary."""
+
+
+def _without_shared_parameters(model: nn.Module, paths: list[str]) -> list[str]:
+    """``paths`` less the modules holding a parameter also used outside them (a tied
+    embedding and head). DeepSpeed's checkpoint is reentrant: its recomputation runs a
+    backward of its own, so such a parameter's gradient hook fires twice in one step and
+    ZeRO-3 stops on a duplicate in its reduce bucket. Dropped paths are logged."""
+    holders: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), set()).add(name.rpartition(".")[0])
+    shared = [mods for mods in holders.values() if len(mods) > 1]
+    keep = []
+    for path in paths:
+        inside = [any(m == path or m.startswith(path + ".") for m in mods) for mods in shared]
+        outside = [any(not (m == path or m.startswith(path + ".")) for m in mods) for mods in shared]
+        if any(i and o for i, o in zip(inside, outside, strict=True)):
+            logging.getLogger("annot").warning(
+                "not checkpointing %s with DeepSpeed: it shares a parameter with a module "
+                "outside it (tied weights), which reentrant checkpointing cannot handle", path)
         else:
-            materialize(model, device=device)
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, model_parameters=model.parameters(), config=config
-    )
-    return engine
+            keep.append(path)
+    return keep
 
 
 def _params_swapped_to_nvme(config: dict[str, Any]) -> bool:
@@ -181,3 +283,30 @@ def partition_unit_by_unit(model: nn.Module, unit_paths: Sequence[str], config: 
             allocator(module)
         deepspeed.zero.Init(module=unit, config_dict_or_path=config)
     allocator.record_on(model)
+
+
+def shard_layout(model: nn.Module) -> ShardLayout:
+    """Where ZeRO-3 keeps ``model``'s parameters on this rank: partition ``r`` of each
+    flattened, padded parameter in its ``ds_tensor`` on rank ``r`` of the parameter's
+    group; a persisted (small) parameter also keeps its full value in ``.data``."""
+    parts: dict[int, list[FlatPart]] = {}
+    for param in model.parameters():
+        partition = getattr(param, "ds_tensor", None)
+        if partition is None:
+            continue
+        # OffloadDeviceEnum is a str enum. A partition swapped out to NVMe lives on disk,
+        # and writing into its in-memory placeholder would be silently lost.
+        if getattr(partition, "final_location", None) == "nvme":
+            raise DeferredInitError(
+                "a ZeRO-3 parameter partition is swapped out to NVMe (offload_param device "
+                "'nvme'), so it cannot be filled in place: materialize or load the model "
+                "before deepspeed.initialize (auto_wrap(..., load_from=...) does)")
+        import deepspeed.comm
+
+        numel, shape = param.ds_numel, tuple(param.ds_shape)
+        start = partition.ds_numel * deepspeed.comm.get_rank(group=param.ds_process_group)
+        found = [FlatPart(partition, min(start, numel), min(start + partition.ds_numel, numel), shape)]
+        if param.data.numel() == numel:
+            found.append(FlatPart(param.data.view(-1), 0, numel, shape))
+        parts[id(param)] = found
+    return ShardLayout(parts, engine="deepspeed") if parts else ShardLayout()

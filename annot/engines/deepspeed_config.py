@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from annot.errors import EngineNotAvailableError
+from annot.planning import resolve_plan
 from annot.policies import Action, Plan
 
 __all__ = ["deepspeed_config"]
@@ -49,8 +50,6 @@ def deepspeed_config(
     if isinstance(model_or_plan, Plan):
         plan = model_or_plan
     else:
-        from annot.wrap import resolve_plan
-
         plan = resolve_plan(model_or_plan, None)
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3 (ZeRO), got {stage!r}")

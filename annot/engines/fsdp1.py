@@ -5,16 +5,18 @@
 select modules by identity (the Plan's paths resolved on this model instance), so a
 Plan made with any rule (by name, every-Nth, marks) carries over exactly.
 
-`apply_fsdp1` owns the order of steps: checkpoint the Plan's modules (annot's
-run-time checkpointing swaps ``forward`` on the instance and adds no wrapper module, so
-the wrap policy still sees the original modules; torch's ``checkpoint_wrapper`` would
-have to come after wrapping), then one ``FullyShardedDataParallel`` call whose wrap
-policy wraps every shard unit bottom-up and the root last.
+`FSDP1` follows the engine contract (`annot.engines.base`): the Plan's modules are
+checkpointed first (annot's run-time checkpointing swaps ``forward`` on the instance and
+adds no wrapper module, so the wrap policy still sees the original modules; torch's
+``checkpoint_wrapper`` would have to come after wrapping), then `apply_fsdp1` makes one
+``FullyShardedDataParallel`` call whose wrap policy wraps every shard unit bottom-up and
+the root last; `shard_layout` says where each parameter's shard is, for filling it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,12 +28,116 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from annot.meta.unit_allocation import UnitAllocator
-from annot.runtime.activation_checkpoint import apply_checkpointing
+from annot.engines.base import Engine, WrapRequest, refuse_nvme_marks, resolve_dtype
 from annot.errors import EngineNotAvailableError
+from annot.meta.deferred import DeferredInitError
+from annot.meta.layout import FlatPart, ShardLayout
+from annot.meta.unit_allocation import UnitAllocator
+from annot.planning import resolve_plan
 from annot.policies import Action, Plan, Policy, Rule
+from annot.runtime.units import unit_paths
 
-__all__ = ["apply_fsdp1", "fsdp1_policies"]
+__all__ = ["FSDP1", "FSDP1Options", "apply_fsdp1", "fsdp1_policies", "shard_layout"]
+
+# FSDP1 inserts a module under this name above each module it wraps; no key contains it.
+WRAPPED_MODULE = "_fsdp_wrapped_module"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FSDP1Options:
+    """Options of ``engine="fsdp1"`` (torch's ``FullyShardedDataParallel``, always with
+    ``use_orig_params=True``).
+
+    Args:
+        reshard_after_forward: ``FULL_SHARD`` (the default) or ``SHARD_GRAD_OP``.
+        offload: ``True``/``"cpu"`` offloads every parameter (FSDP1 offloads all or
+            none; it needs a GPU, since it pins host memory), ``False`` none, ``None``
+            as the Plan marks, if it marks all units or none.
+        mixed_precision: ``None``, ``"bf16"``/``"fp16"``/a dtype (reductions in fp32) or
+            a ``MixedPrecision``.
+    """
+
+    reshard_after_forward: bool = True
+    offload: bool | str | None = None
+    mixed_precision: MixedPrecision | torch.dtype | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.offload == "nvme":
+            raise EngineNotAvailableError(
+                "offload='nvme' with engine 'fsdp1': NVMe offload is DeepSpeed's "
+                "(engine='deepspeed'); torch engines offload to CPU")
+        if self.offload not in (None, True, False, "cpu"):
+            raise ValueError(f"offload must be None, True, False or 'cpu', got {self.offload!r}")
+        object.__setattr__(self, "offload", True if self.offload == "cpu" else self.offload)
+        object.__setattr__(self, "mixed_precision", resolve_dtype(self.mixed_precision))
+
+
+class FSDP1(Engine[FSDP1Options]):
+    """torch FSDP1: one ``FullyShardedDataParallel`` call whose wrap policy is the Plan."""
+
+    name = "fsdp1"
+    Options = FSDP1Options
+
+    def hint(self, option: str) -> str:
+        return {
+            "mesh": "FSDP1 shards over the default process group; for a device mesh "
+                    "(HSDP) use engine='fsdp2'",
+            "offload_activations": "activation offload is wired for engine='fsdp2' or 'ddp'",
+            "stage": "FSDP1 says it with reshard_after_forward=True (FULL_SHARD) or False "
+                     "(SHARD_GRAD_OP)",
+        }.get(option, "")
+
+    def check(self, model: nn.Module, plan: Plan, options: FSDP1Options) -> None:
+        _refuse_groups(plan)
+        if options.offload is None:  # the Plan decides what is offloaded
+            refuse_nvme_marks(plan, self.name)
+        if options.offload is None and any(u.has(Action.OFFLOAD) for u in plan.units):
+            raise EngineNotAvailableError(
+                "the Plan offloads some units, but FSDP1 offloads all parameters or none: "
+                "pass offload=True or offload=False, or use engine='fsdp2'")
+
+    def wrap(self, model: nn.Module, request: WrapRequest, options: FSDP1Options) -> nn.Module:
+        return apply_fsdp1(
+            model, request.plan, offload=_offload(options.offload),
+            mixed_precision=options.mixed_precision,
+            reshard_after_forward=options.reshard_after_forward, device=request.device)
+
+    def layout(self, wrapped: nn.Module) -> ShardLayout:
+        return shard_layout(wrapped)
+
+
+def _offload(offload: Any) -> bool | None:
+    return None if offload is None else bool(offload)
+
+
+def _refuse_groups(plan: Plan) -> None:
+    grouped = [u.path for u in plan.units if u.has(Action.SHARD) and u.group]
+    if grouped:
+        raise EngineNotAvailableError(
+            f"units {', '.join(grouped)} group modules at different paths (tied weights); "
+            "FSDP1 wraps one module per unit: use engine='fsdp2', which shards a group together")
+
+
+def shard_layout(model: nn.Module) -> ShardLayout:
+    """Where FSDP1 keeps ``model``'s parameters on this rank. With ``use_orig_params=True``
+    each original parameter is a 1-D view of the part of it that lies in this rank's
+    flat shard (empty when none of it is here)."""
+    parts: dict[int, list[FlatPart]] = {}
+    for fsdp_module in FullyShardedDataParallel.fsdp_modules(model):
+        handle = fsdp_module._handle
+        if handle is None:
+            continue
+        if not handle._use_orig_params:
+            raise DeferredInitError(
+                "annot fills FSDP1 models built with use_orig_params=True only (auto_wrap sets it)")
+        flat = handle.flat_param
+        # Private to FSDP1 (torch >= 2.1): where each original parameter lies in the shard.
+        for param, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes, strict=True):
+            span = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
+            parts[id(param)] = [FlatPart(param, *span, tuple(shape))]
+    if not parts and not isinstance(model, FullyShardedDataParallel):
+        return ShardLayout()
+    return ShardLayout(parts, frozenset({WRAPPED_MODULE}), "fsdp1")
 
 
 def _selecting(modules: list[nn.Module]) -> CustomPolicy:
@@ -55,19 +161,10 @@ def fsdp1_policies(
     ``FSDPStrategy``. A unit grouping several modules (tied weights) cannot be one FSDP1
     unit: that raises `EngineNotAvailableError`.
     """
-    from annot.runtime.activation_checkpoint import checkpointed_paths
-    from annot.wrap import resolve_plan
-
     plan = resolve_plan(model, policy)
-
-    grouped = [u.path for u in plan.units if u.has(Action.SHARD) and u.group]
-    if grouped:
-        raise EngineNotAvailableError(
-            f"units {', '.join(grouped)} group modules at different paths (tied weights); "
-            "FSDP1 wraps one module per unit: use engine='fsdp2', which shards a group together"
-        )
+    _refuse_groups(plan)
     shard = [model.get_submodule(u.path) for u in plan.units if u.has(Action.SHARD)]
-    checkpointed = [model.get_submodule(p) for p in checkpointed_paths(plan, checkpoint)]
+    checkpointed = [model.get_submodule(p) for p in unit_paths(plan, Action.CHECKPOINT, checkpoint)]
     return _selecting(shard), _selecting(checkpointed)
 
 
@@ -75,7 +172,6 @@ def apply_fsdp1(
     model: nn.Module,
     plan: Plan,
     *,
-    checkpoint_paths: Sequence[str],
     offload: bool | None,
     mixed_precision: torch.dtype | MixedPrecision | None,
     reshard_after_forward: bool,
@@ -84,18 +180,15 @@ def apply_fsdp1(
     """Wrap ``model`` in FSDP1 following ``plan`` (``use_orig_params=True``, so the
     optimizer sees the original parameters and frozen/trainable mixes work).
 
-    A model on the meta device is allocated unit by unit as FSDP1 wraps it (each unit's
+    Run-time checkpointing is installed before this (`Engine.prepare`): it swaps
+    ``forward`` on the instance and adds no module, so the wrap policy still sees the
+    Plan's modules. A model on the meta device is allocated unit by unit as FSDP1 wraps it (each unit's
     full parameters exist only until FSDP1 has sharded them) with undefined values:
     `annot.materialize` fills the shards afterwards, as `auto_wrap` does.
 
     FSDP1 offloads all parameters or none: ``offload=True`` offloads everything;
     a Plan that offloads only some units is refused unless ``offload`` is given.
     """
-    if offload is None and any(u.has(Action.OFFLOAD) for u in plan.units):
-        raise EngineNotAvailableError(
-            "the Plan offloads some units, but FSDP1 offloads all parameters or none: "
-            "pass offload=True or offload=False, or use engine='fsdp2'"
-        )
     if offload and device.type == "cpu":
         # Measured with torch 2.13: FSDP1 pins the offloaded shards unconditionally, which
         # crashes without an accelerator ("Cannot access accelerator device").
@@ -104,7 +197,6 @@ def apply_fsdp1(
             "engine='fsdp2' (its CPUOffloadPolicy works there) or offload=False"
         )
     wrap_policy, _ = fsdp1_policies(model, plan)
-    apply_checkpointing(model, checkpoint_paths)
     if isinstance(mixed_precision, torch.dtype):
         # Reductions in fp32: low-precision gradient sums lose small updates.
         mixed_precision = MixedPrecision(param_dtype=mixed_precision, reduce_dtype=torch.float32)

@@ -13,7 +13,9 @@ The order of steps, as torchtitan's parallelize code does it:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,11 +28,84 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from annot.runtime.activation_checkpoint import apply_checkpointing
-from annot.runtime.activation_offload import apply_activation_offload
+from annot.engines.base import Engine, WrapRequest, refuse_nvme_marks, resolve_dtype
+from annot.errors import EngineNotAvailableError
 from annot.policies import Action, Plan, Unit
+from annot.runtime.activation_checkpoint import apply_checkpointing
+from annot.runtime.activation_offload import apply_activation_offload, offloaded_activation_paths
 
-__all__ = ["apply_fsdp2", "mixed_precision_policy"]
+__all__ = ["FSDP2", "FSDP2Options", "apply_fsdp2", "mixed_precision_policy"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FSDP2Options:
+    """Options of ``engine="fsdp2"`` (torch's ``fully_shard``).
+
+    Args:
+        reshard_after_forward: free each unit's gathered parameters after its forward
+            (ZeRO-3-like, the default) or keep them until backward (ZeRO-2-like).
+        offload: parameter offload to CPU (``CPUOffloadPolicy``: parameters, gradients
+            and optimizer state on the host): ``None`` the units the Plan marks,
+            ``True``/``"cpu"`` every unit and the root, ``False`` none.
+        offload_activations: keep what autograd saves in each unit's forward on the host
+            until backward (`annot.runtime.activation_offload`).
+        mixed_precision: ``None`` (as the parameters are), ``"bf16"``/``"fp16"``/a dtype
+            (compute in it, reduce gradients in fp32), or a ``MixedPrecisionPolicy``.
+        mesh: the device mesh to shard over; default a 1-D mesh over all ranks.
+    """
+
+    reshard_after_forward: bool = True
+    offload: bool | str | None = None
+    offload_activations: bool = False
+    mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None
+    mesh: DeviceMesh | None = None
+
+    def __post_init__(self) -> None:
+        if self.offload == "nvme":
+            raise EngineNotAvailableError(
+                "offload='nvme' with engine 'fsdp2': NVMe offload is DeepSpeed's "
+                "(engine='deepspeed'); torch engines offload to CPU")
+        if self.offload not in (None, True, False, "cpu"):
+            raise ValueError(f"offload must be None, True, False or 'cpu', got {self.offload!r}")
+        object.__setattr__(self, "offload", True if self.offload == "cpu" else self.offload)
+        object.__setattr__(self, "mixed_precision", resolve_dtype(self.mixed_precision))
+
+
+class FSDP2(Engine[FSDP2Options]):
+    """torch FSDP2: each unit sharded in place by ``fully_shard``; returns the model."""
+
+    name = "fsdp2"
+    Options = FSDP2Options
+
+    def hint(self, option: str) -> str:
+        return {
+            "stage": "FSDP2 says it with reshard_after_forward=True (ZeRO-3-like) or False "
+                     "(ZeRO-2-like)",
+            "config": "config= is DeepSpeed's (engine='deepspeed')",
+        }.get(option, "")
+
+    def check(self, model: nn.Module, plan: Plan, options: FSDP2Options) -> None:
+        if options.offload is None:  # the Plan decides what is offloaded
+            refuse_nvme_marks(plan, self.name)
+
+    def prepare(self, model: nn.Module, request: WrapRequest, options: FSDP2Options,
+                checkpoint_paths: Sequence[str]) -> None:
+        apply_checkpointing(model, checkpoint_paths)
+        # The Plan's offload marks mean parameter offload here; activation offload is asked
+        # for explicitly.
+        apply_activation_offload(
+            model, offloaded_activation_paths(request.plan, options.offload_activations))
+
+    def wrap(self, model: nn.Module, request: WrapRequest, options: FSDP2Options) -> nn.Module:
+        return apply_fsdp2(
+            model, request.plan, offload=_offload(options.offload),
+            mixed_precision=options.mixed_precision,
+            reshard_after_forward=options.reshard_after_forward, mesh=options.mesh,
+            device=request.device)
+
+
+def _offload(offload: Any) -> bool | None:
+    return None if offload is None else bool(offload)
 
 
 def mixed_precision_policy(
@@ -59,29 +134,24 @@ def apply_fsdp2(
     model: nn.Module,
     plan: Plan,
     *,
-    checkpoint_paths: Sequence[str],
     offload: bool | None,
     mixed_precision: MixedPrecisionPolicy | torch.dtype | None,
     reshard_after_forward: bool,
     mesh: DeviceMesh | None,
     device: torch.device,
-    offload_activation_paths: Sequence[str] = (),
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 following ``plan``; returns ``model``.
 
     ``offload`` is parameter offload (FSDP2's ``CPUOffloadPolicy``: parameters, gradients
     and optimizer state on CPU): ``None`` for the units the Plan marks, ``True`` every
-    unit and the root, ``False`` none. ``offload_activation_paths`` is activation
-    offload: the modules whose saved activations wait on the host, whatever ``offload``.
+    unit and the root, ``False`` none. Run-time checkpointing and activation offload are
+    installed before this (`FSDP2.prepare`).
     ``reshard_after_forward``: ``True`` frees gathered parameters after each unit's
     forward (ZeRO-3-like), ``False`` keeps them until backward (ZeRO-2-like). The root is
     left to FSDP2, which does not reshard it: backward needs it at once.
     """
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     mp_policy = mixed_precision_policy(mixed_precision)
-
-    apply_checkpointing(model, checkpoint_paths)
-    apply_activation_offload(model, offload_activation_paths)
 
     for unit in plan.units:
         if not unit.has(Action.SHARD):

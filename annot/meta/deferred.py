@@ -28,6 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from annot.module_state import module_state, peek_state
 from annot.policies.errors import AnnotError
 
 __all__ = [
@@ -43,7 +44,6 @@ __all__ = [
 ]
 
 M = TypeVar("M", bound=nn.Module)
-TAPE_ATTR = "__annot_deferred__"
 # Creations whose contents are undefined: a tensor made only by these was never initialized.
 UNINITIALIZED = {
     torch.ops.aten.empty.memory_format,
@@ -214,12 +214,14 @@ def build(cls: Callable[..., M], *args: Any, **kwargs: Any) -> M:
 
 
 def deferred_init_of(model: nn.Module) -> DeferredInit | None:
-    """The record `meta_init` attached to ``model`` (or to the model an FSDP1 root wraps),
-    if any."""
-    record = vars(model).get(TAPE_ATTR)
-    if record is None and "_fsdp_wrapped_module" in model._modules:
-        record = vars(model._modules["_fsdp_wrapped_module"]).get(TAPE_ATTR)
-    return record if isinstance(record, DeferredInit) else None
+    """The record `meta_init` attached to ``model``, or to the model an engine's root
+    wrapper (FSDP1, DDP) holds as its only child; ``None`` if there is none."""
+    state = peek_state(model)
+    child = next(iter(model._modules.values())) if len(model._modules) == 1 else None
+    if state is None and child is not None:
+        state = peek_state(child)
+    construction = state.construction if state is not None else None
+    return construction if isinstance(construction, DeferredInit) else None
 
 
 # Which modules were built: wrap nn.Module.__init__ for the duration of the block.
@@ -284,7 +286,7 @@ def _to_meta(root: nn.Module, recorder: _Recorder, rng_state: torch.Tensor) -> N
                         meta = nn.Parameter(meta, requires_grad=t.requires_grad)
                     replacement[id(t)] = meta
                 holder[name] = replacement[id(t)]
-    root.__dict__[TAPE_ATTR] = DeferredInit(
+    module_state(root).construction = DeferredInit(
         ops=recorder.ops,
         rng_state=rng_state,
         constants=recorder.constants,

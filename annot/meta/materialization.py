@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,19 +25,20 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from annot._progress import Progress
 from annot.meta.deferred import UNINITIALIZED, DeferredInit, DeferredInitError, Ref, deferred_init_of
+from annot.meta.layout import WHOLE, FlatPart, ShardLayout
+from annot.module_state import module_state, peek_state
 
-__all__ = ["FlatPart", "ReplayStats", "flat_parts", "materialize", "replay_stats"]
-
-STATS_ATTR = "__annot_materialize_stats__"
-
+__all__ = ["ReplayStats", "materialize", "replay_stats"]
 
 def replay_stats(model: nn.Module) -> ReplayStats | None:
     """What the last `materialize` of ``model`` counted (peak bytes of full tensors)."""
-    return vars(model).get(STATS_ATTR)
+    state = peek_state(model)
+    return state.replay_stats if state is not None else None
 
 
 def materialize(model: nn.Module, *, device: torch.device | str | None = None,
-                progress: bool | None = None, skip: set[str] | frozenset[str] = frozenset()) -> nn.Module:
+                progress: bool | None = None, skip: set[str] | frozenset[str] = frozenset(),
+                layout: ShardLayout = WHOLE) -> nn.Module:
     """Allocate ``model``'s tensors on ``device`` (default: CPU, or the device its sharded
     parameters were placed on) and fill them from the `meta_init` record. Returns the model.
 
@@ -44,7 +46,8 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     when a module owns parameters nothing initializes, or when a tensor is left on the
     meta device. The caller's random-number state is left as it was. ``skip`` names
     parameters the caller fills itself (a checkpoint load): their initialization is not
-    replayed at all.
+    replayed at all. ``layout`` is where an engine that shards flattened parameters keeps
+    them on this rank (`annot.materialize` asks the engines; DTensors need none).
     """
     record = deferred_init_of(model)
     if record is None:
@@ -72,8 +75,8 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     skipped_groups = _skippable({record.group_of[record.tensors[n]] for n in skip}, record)
     # A tied name skipped means its twin is filled from the checkpoint too.
     fill = {n: t for n, t in targets.items() if record.group_of[record.tensors[n]] not in skipped_groups}
-    stats = _replay(record, fill, progress, skipped_groups, flat_parts(model))
-    model.__dict__[STATS_ATTR] = stats
+    stats = _replay(record, fill, progress, skipped_groups, layout.parts)
+    module_state(model).replay_stats = stats
     record.pending = False
     leftover = [n for n, t in _targets(model, record).items() if _local(t).is_meta]
     if leftover:
@@ -131,71 +134,6 @@ def _sharded_device(model: nn.Module) -> torch.device | None:
             return torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
                 else torch.device(mesh.device_type)
     return None
-
-
-@dataclasses.dataclass(frozen=True)
-class FlatPart:
-    """Elements ``[start, stop)`` of a flattened full tensor of ``full_shape``, which this
-    rank keeps in the first ``stop - start`` elements of ``destination`` (1-D)."""
-
-    destination: torch.Tensor
-    start: int
-    stop: int
-    full_shape: tuple[int, ...]
-
-
-def flat_parts(model: nn.Module) -> dict[int, list[FlatPart]]:
-    """``id(parameter) -> where this rank keeps it``, for engines that shard flattened
-    parameters (FSDP1, DeepSpeed ZeRO-3); parameters absent are whole or DTensors."""
-    return {**_fsdp1_parts(model), **_zero3_parts(model)}
-
-
-def _fsdp1_parts(model: nn.Module) -> dict[int, list[FlatPart]]:
-    """FSDP1 (``use_orig_params=True``) keeps each original parameter as a 1-D view of the
-    part of it that lies in this rank's flat shard (empty when none of it is here)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    parts: dict[int, list[FlatPart]] = {}
-    for fsdp_module in FullyShardedDataParallel.fsdp_modules(model):
-        handle = fsdp_module._handle
-        if handle is None:
-            continue
-        if not handle._use_orig_params:
-            raise DeferredInitError(
-                "materialize needs FSDP1 with use_orig_params=True (auto_wrap sets it)")
-        flat = handle.flat_param
-        # Private to FSDP1 (torch >= 2.1): where each original parameter lies in the shard.
-        for param, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes, strict=True):
-            span = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
-            parts[id(param)] = [FlatPart(param, *span, tuple(shape))]
-    return parts
-
-
-def _zero3_parts(model: nn.Module) -> dict[int, list[FlatPart]]:
-    """DeepSpeed ZeRO-3 keeps partition ``r`` of each flattened, padded parameter in its
-    ``ds_tensor`` on rank ``r`` of the parameter's group; a persisted (small) parameter
-    also keeps its full value in ``.data``."""
-    parts: dict[int, list[FlatPart]] = {}
-    for param in model.parameters():
-        partition = getattr(param, "ds_tensor", None)
-        if partition is None:
-            continue
-        # OffloadDeviceEnum is a str enum. A partition swapped out to NVMe lives on disk,
-        # and writing into its in-memory placeholder would be silently lost.
-        if getattr(partition, "final_location", None) == "nvme":
-            raise DeferredInitError(
-                "a ZeRO-3 parameter partition is swapped out to NVMe (offload_param device "
-                "'nvme'), so it cannot be filled in place: materialize or load the model "
-                "before deepspeed.initialize (auto_wrap(..., load_from=...) does)")
-        import deepspeed.comm
-
-        numel, shape = param.ds_numel, tuple(param.ds_shape)
-        start = partition.ds_numel * deepspeed.comm.get_rank(group=param.ds_process_group)
-        found = [FlatPart(partition, min(start, numel), min(start + partition.ds_numel, numel), shape)]
-        if param.data.numel() == numel:
-            found.append(FlatPart(param.data.view(-1), 0, numel, shape))
-        parts[id(param)] = found
-    return parts
 
 
 def _fill(target: torch.Tensor, full: torch.Tensor, parts: list[FlatPart] | None = None) -> None:
@@ -279,7 +217,7 @@ class _Schedule:
 
 def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool | None,
             skipped: set[int] | None = None,
-            flat_parts: dict[int, list[FlatPart]] | None = None) -> ReplayStats:
+            flat_parts: Mapping[int, list[FlatPart]] | None = None) -> ReplayStats:
     schedule = _Schedule(record)
     names_by_group: dict[int, list[str]] = defaultdict(list)
     for name, ref in record.tensors.items():

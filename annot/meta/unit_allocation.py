@@ -15,11 +15,9 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from annot.meta.deferred import deferred_init_of
+from annot.module_state import module_state, peek_state
 
 __all__ = ["UnitAllocator", "module_tensors", "unit_allocation_peak"]
-
-# Instance attribute of a wrapped model: `UnitAllocator.peak_bytes` of its allocation.
-_ALLOCATION_PEAK = "_annot_unit_allocation_peak"
 
 
 class UnitAllocator:
@@ -66,7 +64,7 @@ class UnitAllocator:
     def record_on(self, module: nn.Module) -> None:
         """Keep ``peak_bytes`` on ``module`` for `unit_allocation_peak` (if it allocated)."""
         if self.peak_bytes:
-            module.__dict__[_ALLOCATION_PEAK] = self.peak_bytes
+            module_state(module).unit_allocation_peak = self.peak_bytes
 
 
 def module_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -79,4 +77,5 @@ def unit_allocation_peak(model: nn.Module) -> int | None:
     """Peak bytes of full tensors alive at once while an engine (`auto_wrap` with FSDP1 or
     DeepSpeed ZeRO-3) allocated the meta ``model`` unit by unit; ``None`` if it did not.
     The engine's own transient copies (FSDP1 flattens a unit) come on top of it."""
-    return model.__dict__.get(_ALLOCATION_PEAK)
+    state = peek_state(model)
+    return state.unit_allocation_peak if state is not None else None

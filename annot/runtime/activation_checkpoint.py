@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from annot.module_state import module_state, peek_state
 from annot.runtime.autograd_state import under_outer_checkpoint
 from annot.runtime.units import unit_paths
 from annot.policies import Action, Plan
@@ -45,17 +46,6 @@ __all__ = [
     "torch_checkpoint",
 ]
 
-# Instance attribute holding the forward that was there before; its presence marks the
-# module as checkpointed. A plain __dict__ entry, not a buffer or submodule.
-_ORIGINAL_FORWARD = "_annot_original_forward"
-
-
-# Instance attribute holding the function that runs ``forward`` under checkpointing.
-_CHECKPOINT_FN = "_annot_checkpoint_fn"
-
-# Instance attribute set (True) once a call found the forward under another checkpoint.
-_OUTER_CHECKPOINT = "_annot_outer_checkpoint"
-
 CheckpointFn = Callable[..., Any]  # (function, *args, **kwargs) -> function's output
 
 
@@ -67,19 +57,22 @@ def torch_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    original = self.__dict__[_ORIGINAL_FORWARD]
+    state = module_state(self)
+    original = state.original_forward
+    assert original is not None and state.checkpoint_fn is not None
     if not (self.training and torch.is_grad_enabled()):
         return original(*args, **kwargs)
     if under_outer_checkpoint():
         _note_outer_checkpoint(self)
         return original(*args, **kwargs)
-    return self.__dict__[_CHECKPOINT_FN](original, *args, **kwargs)
+    return state.checkpoint_fn(original, *args, **kwargs)
 
 
 def _note_outer_checkpoint(module: nn.Module) -> None:
-    if module.__dict__.get(_OUTER_CHECKPOINT):
+    state = module_state(module)
+    if state.outer_checkpoint:
         return
-    module.__dict__[_OUTER_CHECKPOINT] = True
+    state.outer_checkpoint = True
     # Same text for every instance of a class, so Python's warning filter shows it once.
     warnings.warn(
         f"annot: {type(module).__name__}'s forward already runs under an activation "
@@ -91,13 +84,15 @@ def _note_outer_checkpoint(module: nn.Module) -> None:
 
 def is_checkpointed(module: nn.Module) -> bool:
     """True if annot checkpoints ``module`` at run time (`checkpoint_module` ran on it)."""
-    return _ORIGINAL_FORWARD in module.__dict__
+    state = peek_state(module)
+    return state is not None and state.original_forward is not None
 
 
 def has_outer_checkpoint(module: nn.Module) -> bool:
     """True once a training forward of ``module`` found it already under another
     checkpoint, so annot ran it without its own (see the module docstring)."""
-    return bool(module.__dict__.get(_OUTER_CHECKPOINT))
+    state = peek_state(module)
+    return state is not None and state.outer_checkpoint
 
 
 def checkpoint_module(module: nn.Module, checkpoint_fn: CheckpointFn = torch_checkpoint) -> nn.Module:
@@ -109,9 +104,10 @@ def checkpoint_module(module: nn.Module, checkpoint_fn: CheckpointFn = torch_che
     """
     if is_checkpointed(module):
         raise ValueError(f"{type(module).__name__} is already checkpointed by annot")
-    module.__dict__[_CHECKPOINT_FN] = checkpoint_fn
+    state = module_state(module)
+    state.checkpoint_fn = checkpoint_fn
     # The bound forward as it is now (the class's, or one another tool set on the instance).
-    module.__dict__[_ORIGINAL_FORWARD] = module.forward
+    state.original_forward = module.forward
     # A bound method (not a closure) so copy.deepcopy rebinds it to the copy.
     module.forward = types.MethodType(_checkpointed_forward, module)  # type: ignore[method-assign]
     return module

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from annot.module_state import module_state, peek_state
 from annot.runtime.autograd_state import under_outer_checkpoint
 from annot.runtime.units import unit_paths
 from annot.policies import Action, Plan
@@ -52,9 +53,6 @@ __all__ = [
     "offload_activations",
     "offloaded_activation_paths",
 ]
-
-# Instance attribute naming the offloader whose hooks a module carries.
-_OFFLOADER = "_annot_activation_offloader"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,12 +133,13 @@ def offload_activations(
     Returns the offloader (a new one unless given), whose counters show what moved.
     Offloading a module twice is an error rather than a second set of hooks.
     """
-    if _OFFLOADER in module.__dict__:
+    state = module_state(module)
+    if state.activation_offloader is not None:
         raise ValueError(f"{type(module).__name__}'s activations are already offloaded by annot")
     offloader = offloader if offloader is not None else ActivationOffloader()
     module.register_forward_pre_hook(offloader._enter)
     module.register_forward_hook(offloader._exit, always_call=True)
-    module.__dict__[_OFFLOADER] = offloader
+    state.activation_offloader = offloader
     return offloader
 
 
@@ -148,8 +147,9 @@ def activation_offloader(model: nn.Module) -> ActivationOffloader | None:
     """The offloader of the first module of ``model`` whose activations are offloaded
     (one per model when `apply_activation_offload` set them up), or ``None``."""
     for module in model.modules():
-        if _OFFLOADER in module.__dict__:
-            return module.__dict__[_OFFLOADER]
+        state = peek_state(module)
+        if state is not None and state.activation_offloader is not None:
+            return state.activation_offloader
     return None
 
 

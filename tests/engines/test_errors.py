@@ -55,14 +55,24 @@ def test_a_meta_init_model_is_materialized_with_eager_values(one_rank, engine):
     assert torch.equal(wrapped(x, x)[1], eager(x, x)[1])
 
 
-@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1"])
-def test_an_optimizer_built_before_sharding_is_refused(one_rank, engine):
+def test_an_optimizer_built_before_fsdp2_fails_at_its_first_step(one_rank):
+    model = small_gpt()
+    stale = torch.optim.AdamW(model.parameters())
+    wrapped = annot.auto_wrap(model, "fsdp2")
+    x = torch.randint(0, 64, (2, 8))
+    wrapped(x, x)[1].backward()
+    with pytest.raises(annot.OptimizerOrderError, match="Build the optimizer after wrapping"):
+        stale.step()
+    torch.optim.AdamW(wrapped.parameters()).step()  # one built after wrapping steps
+
+
+def test_an_optimizer_built_before_fsdp1_holds_the_parameters_it_trains(one_rank):
+    # FSDP1 with use_orig_params=True keeps the parameter objects (their data becomes
+    # views of the flat shard), so an earlier optimizer holds what the wrapped model trains.
     model = small_gpt()
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(annot.OptimizerOrderError, match="Build the optimizer after wrapping"):
-        annot.auto_wrap(model, engine)
-    del opt
-    annot.auto_wrap(model, engine)  # the same model is fine once that optimizer is gone
+    wrapped = annot.auto_wrap(model, "fsdp1")
+    assert {id(p) for p in wrapped.parameters()} <= {id(p) for g in opt.param_groups for p in g["params"]}
 
 
 def test_ddp_keeps_parameters_so_an_earlier_optimizer_is_allowed(one_rank):
@@ -72,31 +82,38 @@ def test_ddp_keeps_parameters_so_an_earlier_optimizer_is_allowed(one_rank):
     assert {id(p) for p in wrapped.parameters()} == {id(p) for g in opt.param_groups for p in g["params"]}
 
 
-@pytest.mark.parametrize("engine", ["fsdp1", "deepspeed"])
-def test_activation_offload_is_refused_where_not_wired(one_rank, engine):
-    with pytest.raises(annot.EngineNotAvailableError, match="offload_activations.*'fsdp2' or 'ddp'"):
-        annot.auto_wrap(small_gpt(), engine, offload_activations=True)
-
-
 @pytest.mark.parametrize(
     ("engine", "options", "match"),
     [
-        ("ddp", dict(mixed_precision="bf16"), "does not take mixed_precision"),
-        ("fsdp1", dict(mesh=object()), "does not take mesh"),
-        ("fsdp2", dict(optimizer=torch.optim.SGD), "does not take optimizer"),
-        ("fsdp2", dict(config={}), "does not take config"),
-        ("fsdp2", dict(leaf_modules=["MLP"]), "does not take leaf_modules"),
+        ("ddp", dict(mixed_precision="bf16"), "no option 'mixed_precision'.*torch.autocast"),
+        ("ddp", dict(offload=True), "no option 'offload'.*offload_activations=True"),
+        ("fsdp1", dict(mesh=object()), "no option 'mesh'.*engine='fsdp2'"),
+        ("fsdp1", dict(offload_activations=True), "no option 'offload_activations'.*'fsdp2' or 'ddp'"),
+        ("fsdp2", dict(config={}), "no option 'config'.*engine='deepspeed'"),
+        ("fsdp2", dict(leaf_modules=["MLP"]), "no option 'leaf_modules'"),
+        ("deepspeed", dict(reshard_after_forward=False), "no option 'reshard_after_forward'.*stage=2"),
+        ("deepspeed", dict(offload_activations=True), "cpu_checkpointing=True"),
     ],
 )
-def test_an_option_the_engine_would_ignore_is_an_error(one_rank, engine, options, match):
-    with pytest.raises(ValueError, match=match):
-        annot.auto_wrap(small_gpt(), engine, **options)
+def test_an_option_the_engine_cannot_honour_names_it_and_the_fix(one_rank, engine, options, match):
+    factory = (lambda params: torch.optim.SGD(params, lr=0.1)) if engine == "deepspeed" else None
+    with pytest.raises(TypeError, match=match):
+        annot.auto_wrap(small_gpt(), engine, optimizer=factory, **options)
+
+
+def test_options_may_be_given_as_the_engines_own_type(one_rank):
+    model = annot.auto_wrap(small_gpt(), "fsdp2", options=annot.FSDP2Options(mixed_precision="bf16"))
+    policy = model.transformer.h[0]._get_fsdp_state()._fsdp_param_group.mp_policy
+    assert policy.param_dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="takes FSDP2Options, not DDPOptions"):
+        annot.auto_wrap(small_gpt(), "fsdp2", options=annot.DDPOptions())
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", "fsdp1", "ddp"])
 def test_torch_engines_refuse_nvme_offload(one_rank, engine):
-    with pytest.raises(annot.EngineNotAvailableError, match="NVMe"):
-        annot.auto_wrap(small_gpt(), engine, offload="nvme")
+    if engine != "ddp":  # DDP has no parameter offload option at all (see above)
+        with pytest.raises(annot.EngineNotAvailableError, match="NVMe"):
+            annot.auto_wrap(small_gpt(), engine, offload="nvme")
     model = small_gpt()
     annot.mark(model.transformer.h[1], offload="nvme")
     with pytest.raises(annot.EngineNotAvailableError, match="transformer.h.1"):

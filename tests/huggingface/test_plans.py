@@ -65,7 +65,7 @@ def test_tied_embeddings_share_one_unit(name):
 def test_keep_in_fp32_modules_become_their_own_units_in_half_precision():
     """T5 keeps its ``wo`` projections in fp32 when loaded in fp16 (transformers does the
     same): each is a unit of its own, so no unit mixes fp16 and fp32."""
-    from annot.huggingface.pretrained import keep_in_fp32_names
+    from annot.huggingface.model import keep_in_fp32_names
 
     with annot.meta_init():
         model = ARCHS["t5"].model_cls()._from_config(ARCHS["t5"].config(), dtype=torch.float16)

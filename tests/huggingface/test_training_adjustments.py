@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from hf_archs import ARCHS
 
-from annot.huggingface.pretrained import _configs, is_pretrained_model, prepare_for_training
+from annot.huggingface.model import _configs, is_pretrained_model, prepare_for_training
 
 
 def _hf_checkpointing(model) -> bool:
@@ -19,7 +19,7 @@ def test_theirs_is_turned_off_when_annot_checkpoints(caplog):
     model = ARCHS["llama"].build()
     model.gradient_checkpointing_enable()
     assert _hf_checkpointing(model)
-    with caplog.at_level("WARNING", logger="annot.huggingface.pretrained"):
+    with caplog.at_level("WARNING", logger="annot.huggingface"):
         notes = prepare_for_training(model, checkpointing=True)
     assert not _hf_checkpointing(model)
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())

@@ -148,7 +148,7 @@ def test_verbose_lists_every_site(model: Path, capsys: pytest.CaptureFixture[str
 def test_help_is_fast_and_imports_no_torch() -> None:
     code = (
         "import sys, time; t = time.perf_counter()\n"
-        "from rewriter.cli import main\n"
+        "from annot.rewriter.cli import main\n"
         "assert main(['--help']) == 0\n"
         "assert 'torch' not in sys.modules and 'libcst' not in sys.modules, sorted(sys.modules)\n"
         "print(time.perf_counter() - t, file=sys.stderr)\n"

@@ -1,0 +1,153 @@
+"""Recognising transformers models, choosing the class a config builds, and the
+training adjustments `annot.auto_wrap` makes to a ``PreTrainedModel``.
+
+`prepare_for_training` is what `auto_wrap` does to a ``PreTrainedModel`` before
+checkpointing it: transformers' own activation checkpointing is turned off when annot
+checkpoints (recomputation is never stacked), and ``use_cache`` is turned off whenever
+either checkpoints (a key/value cache is useless in training and transformers refuses it
+with checkpointing). Both are logged.
+
+transformers is imported inside the functions: ``import annot`` stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "AUTO_CLASS_ORDER",
+    "is_pretrained_model",
+    "keep_in_fp32_names",
+    "model_factory",
+    "prepare_for_training",
+]
+
+logger = logging.getLogger("annot.huggingface")
+
+# Tried in this order when neither ``auto_class=`` nor the config's ``architectures``
+# names a class transformers has: the head a training script most likely wants first.
+AUTO_CLASS_ORDER = (
+    "AutoModelForCausalLM",
+    "AutoModelForSeq2SeqLM",
+    "AutoModelForMaskedLM",
+    "AutoModelForImageClassification",
+    "AutoModel",
+)
+
+
+def is_pretrained_model(model: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel``, recognised by attribute (no import)."""
+    return hasattr(model, "config") and hasattr(type(model), "_no_split_modules") and hasattr(
+        model, "post_init")
+
+
+def model_factory(config: Any, auto_class: type | str | None = None,
+                  trust_remote_code: bool = False) -> Callable[..., nn.Module]:
+    """``factory(config, dtype=...)`` building the model class for ``config``: the one
+    choice of class for `annot.from_pretrained` and ``annot plan DIR``.
+
+    ``auto_class`` if given (a class or a transformers name); else the first class the
+    config's ``architectures`` names that transformers has (``save_pretrained`` writes
+    it, so a directory builds as the class that saved it); else the first of
+    `AUTO_CLASS_ORDER` that knows the config."""
+    import transformers
+
+    if isinstance(auto_class, str):
+        found = getattr(transformers, auto_class, None)
+        if found is None:
+            raise ValueError(f"auto_class={auto_class!r}: transformers has no such class")
+        auto_class = found
+    if auto_class is None:
+        for name in getattr(config, "architectures", None) or ():
+            concrete = getattr(transformers, name, None)
+            if isinstance(concrete, type) and hasattr(concrete, "_from_config"):
+                auto_class = concrete
+                break
+    if auto_class is None:
+        for name in AUTO_CLASS_ORDER:
+            candidate = getattr(transformers, name)
+            if type(config) in candidate._model_mapping or (
+                    trust_remote_code and name in (getattr(config, "auto_map", None) or {})):
+                auto_class = candidate
+                break
+        else:
+            raise ValueError(
+                f"no transformers auto class knows {type(config).__name__}: pass auto_class=")
+    if hasattr(auto_class, "_model_mapping"):  # an Auto* class
+        return lambda cfg, dtype: auto_class.from_config(cfg, dtype=dtype,
+                                                         trust_remote_code=trust_remote_code)
+    return lambda cfg, dtype: auto_class._from_config(cfg, dtype=dtype)
+
+
+def keep_in_fp32_names(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Paths of the modules transformers keeps in float32 when loading in ``dtype``:
+    ``_keep_in_fp32_modules`` for float16, plus ``_keep_in_fp32_modules_strict`` for
+    float16 and bfloat16 (transformers 5's rule). A name matches a module whose path has
+    it as a component."""
+    from annot.policies.rules import declared_names, modules_named
+
+    names = declared_names(model, "_keep_in_fp32_modules_strict") if dtype in (
+        torch.float16, torch.bfloat16) else []
+    if dtype == torch.float16:
+        names += [n for n in declared_names(model, "_keep_in_fp32_modules") if n not in names]
+    return modules_named(model, names) if names else []
+
+
+def prepare_for_training(model: nn.Module, *, checkpointing: bool) -> list[str]:
+    """Adjust a ``PreTrainedModel`` for `auto_wrap`; returns what was changed, in words
+    (each also logged on the ``annot.huggingface.pretrained`` logger).
+
+    ``checkpointing``: whether annot checkpoints some of its units. If so and
+    transformers' own activation checkpointing is on, it is turned off (annot's runs
+    inside the engine's units). If not, transformers' stays and is what checkpoints.
+    Either way, when something checkpoints, ``config.use_cache`` is set to False.
+    """
+    notes: list[str] = []
+    theirs = _hf_checkpointing(model)
+    if theirs and checkpointing:
+        disable = getattr(model, "activation_checkpointing_disable", None) or \
+            model.gradient_checkpointing_disable
+        disable()
+        notes.append("turned off transformers' gradient checkpointing: annot checkpoints the "
+                     "Plan's units instead (stacking both would recompute every layer twice)")
+    elif theirs:
+        notes.append("kept transformers' gradient checkpointing: annot checkpoints nothing here")
+    if checkpointing or theirs:
+        for config in _configs(model):
+            if getattr(config, "use_cache", False):
+                config.use_cache = False
+                notes.append(f"set {type(config).__name__}.use_cache = False: a key/value cache "
+                             "is not used in training and does not mix with checkpointing")
+    for note in notes:
+        logger.warning("%s: %s", type(model).__name__, note)
+    return notes
+
+
+def _hf_checkpointing(model: nn.Module) -> bool:
+    flag = getattr(type(model), "is_activation_checkpointing", None)
+    if flag is None:
+        flag = getattr(type(model), "is_gradient_checkpointing", None)
+    return bool(flag.__get__(model)) if isinstance(flag, property) else False
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """Every config the model's modules read: the root's, its sub-configs, and the copies
+    some submodules keep (T5's encoder and decoder stacks hold their own, so setting the
+    root's ``use_cache`` alone leaves the decoder caching)."""
+    out: list[Any] = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(config, "to_dict"):
+            continue
+        for candidate in (config, *(getattr(config, key, None)
+                                    for key in getattr(config, "sub_configs", None) or ())):
+            if candidate is not None and all(candidate is not seen for seen in out):
+                out.append(candidate)
+    return out
+
+

@@ -1,0 +1,71 @@
+"""Where this rank keeps each parameter of a model an engine sharded.
+
+Materializing, loading and saving fill or read a sharded model without knowing the
+engine: an FSDP2 parameter is a DTensor and says where its rows are by itself; an engine
+that shards *flattened* parameters (FSDP1, DeepSpeed ZeRO-3) describes them with a
+`ShardLayout` built by that engine's module (`annot.engines.fsdp1.shard_layout`,
+`annot.engines.deepspeed.shard_layout`). This module is data only: engine internals
+stay in the engine modules (docs/design.md, "Layout").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["FlatPart", "ShardLayout", "WHOLE"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatPart:
+    """Elements ``[start, stop)`` of a flattened full tensor of ``full_shape``, which this
+    rank keeps in the first ``stop - start`` elements of ``destination`` (1-D)."""
+
+    destination: torch.Tensor
+    start: int
+    stop: int
+    full_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """How an engine keeps a model's parameters on this rank.
+
+    ``parts``: ``id(parameter) -> its flat parts here`` for flattened-sharded parameters
+    (absent: whole, or a DTensor). ``wrapper_names``: module names the engine inserts into
+    paths (FSDP1's ``_fsdp_wrapped_module``), which no checkpoint key contains.
+    ``engine``: who built it, for messages."""
+
+    parts: Mapping[int, list[FlatPart]] = dataclasses.field(default_factory=dict)
+    wrapper_names: frozenset[str] = frozenset()
+    engine: str = ""
+
+    @property
+    def flat(self) -> bool:
+        """Whether any parameter is kept as flat parts."""
+        return bool(self.parts)
+
+    def clean(self, path: str) -> str:
+        """``path`` without the engine's wrapper levels: the bare model's name."""
+        if not self.wrapper_names:
+            return path
+        return ".".join(p for p in path.split(".") if p not in self.wrapper_names)
+
+    def bare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model an engine's root wrapper holds (the wrapper itself otherwise)."""
+        for name in self.wrapper_names:
+            inner = model._modules.get(name)
+            if inner is not None:
+                return inner
+        return model
+
+    def merged(self, other: ShardLayout) -> ShardLayout:
+        """Both layouts in one (a model holds one engine's, but asking each is simplest)."""
+        return ShardLayout({**self.parts, **other.parts}, self.wrapper_names | other.wrapper_names,
+                           "+".join(e for e in (self.engine, other.engine) if e))
+
+
+WHOLE = ShardLayout()
+"""Every parameter whole or a DTensor: plain models, DDP, FSDP2."""
