@@ -64,7 +64,7 @@ def check_no_optimizer(model: nn.Module, engine: str) -> None:
 
     Sharding engines replace the parameters (FSDP2 with DTensors, FSDP1 and ZeRO with
     flat buffers), so an optimizer built before wrapping keeps stepping the old tensors:
-    training silently does nothing (DESIGN.md lesson 6). The scan walks the objects the
+    training silently does nothing (docs/design.md, pitfall 6). The scan walks the objects the
     garbage collector tracks once, which costs milliseconds next to wrapping a model.
     """
     own = {id(p) for p in model.parameters()}

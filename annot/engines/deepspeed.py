@@ -2,7 +2,7 @@
 
 The order of steps:
 1. ``deepspeed.checkpointing.configure`` with the config, without which DeepSpeed ignores
-   the config's ``activation_checkpointing`` section (DESIGN.md lesson 9);
+   the config's ``activation_checkpointing`` section (docs/design.md, pitfall 9);
 2. checkpoint the Plan's modules at run time with DeepSpeed's checkpoint, so partitioned
    and CPU activation checkpoints apply (module names unchanged, as with torch engines);
 3. mark ZeRO-3 leaf modules (``leaf_modules``, e.g. MoE blocks, whose experts run in a
@@ -52,7 +52,7 @@ def deepspeed_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any
 
     DeepSpeed's checkpoint is reentrant (the gradient flows only if an input tensor
     requires grad, as a block's hidden state does) and returns a bare tensor where the
-    function returned a 1-tuple (DESIGN.md lesson 9); the 1-tuple is restored here, and a
+    function returned a 1-tuple (docs/design.md, pitfall 9); the 1-tuple is restored here, and a
     call whose inputs need no gradient (positional or keyword) is not checkpointed.
     """
     import deepspeed
