@@ -1,7 +1,7 @@
 """The vocabulary of actions and the metadata that markers attach to classes and modules.
 
 `annot`'s decorators write a `Mark`; the `marked(...)` rule reads it. Both sides meet
-here so that `policies` never imports `annot` (DESIGN.md: annot -> policies only).
+here so that `policies` never imports `annot` (docs/design.md: annot -> annot.policies only).
 """
 
 from __future__ import annotations

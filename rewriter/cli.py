@@ -277,7 +277,7 @@ def _report(args: argparse.Namespace, outcomes: Iterable[_Outcome], selection: s
         and not args.undo
         and not any(o.wrapped or o.skipped for o in outcomes)
     ):
-        # An empty selection is an error elsewhere in annot (DESIGN.md, lesson 8): say so.
+        # An empty selection is an error elsewhere in annot (docs/design.md, pitfall 8): say so.
         print(f"warning: --blocks {args.blocks}: no forward calls these classes", file=sys.stderr)
     if args.target == "deepspeed" and not args.undo and changed:
         calls = sorted({c for o in changed for c in o.calls})

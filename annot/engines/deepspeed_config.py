@@ -1,7 +1,7 @@
 """`annot.deepspeed_config`: the DeepSpeed config dict for a model's Plan.
 
 Everything that changes training is set explicitly, so DeepSpeed trains like plain
-PyTorch unless asked otherwise (DESIGN.md lesson 11): DeepSpeed 0.19 clips gradients at
+PyTorch unless asked otherwise (docs/design.md, pitfall 11): DeepSpeed 0.19 clips gradients at
 1.0 when ``gradient_clipping`` is absent, and ZeRO refuses a plain torch optimizer
 without ``zero_allow_untested_optimizer``. Building the dict imports nothing heavy.
 """
@@ -45,7 +45,7 @@ def deepspeed_config(
     ``"bf16"`` or ``"fp16"`` (dynamic loss scaling). ``gradient_clipping`` defaults to 0
     (off), unlike DeepSpeed. The ``activation_checkpointing`` section counts the Plan's
     checkpointed units; DeepSpeed reads it only once ``deepspeed.checkpointing.configure``
-    has run with this config (DESIGN.md lesson 9).
+    has run with this config (docs/design.md, pitfall 9).
     """
     if isinstance(model_or_plan, Plan):
         plan = model_or_plan
@@ -60,7 +60,8 @@ def deepspeed_config(
         raise ValueError("offload='nvme' needs nvme_path= (a directory on a fast local disk)")
     if cpu_checkpointing and stage == 3 and not torch.cuda.is_available():
         # Measured: DeepSpeed 0.19's CPU accelerator crashes in recomputation (a matmul on
-        # an ungathered 0-d parameter) with ZeRO-3 and cpu_checkpointing (DESIGN.md lesson 12).
+        # an ungathered 0-d parameter) with ZeRO-3 and cpu_checkpointing
+        # (docs/design.md, pitfall 12).
         raise EngineNotAvailableError(
             "cpu_checkpointing with ZeRO-3 crashes on DeepSpeed's CPU accelerator: use it on "
             "GPUs, or pass cpu_checkpointing=False (or stage=2) on CPU"

@@ -3,7 +3,7 @@
 `checkpoint_module` replaces one module's ``forward`` (on the instance, not the class)
 with a call through ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. Nothing is
 wrapped, so ``named_parameters()`` and ``state_dict()`` keys stay those of the bare model
-(no ``_checkpoint_wrapped_module``: DESIGN.md lesson 5), and engines that hook
+(no ``_checkpoint_wrapped_module``: docs/design.md, pitfall 5), and engines that hook
 ``__call__`` (FSDP2's all-gather, DDP) see the same module as before. Recomputation in
 backward calls the original ``forward`` directly, inside the engine's unit, after the
 engine has gathered the unit's parameters for backward.
@@ -50,7 +50,7 @@ CheckpointFn = Callable[..., Any]  # (function, *args, **kwargs) -> function's o
 
 
 def torch_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """torch's non-reentrant checkpoint (DESIGN.md lesson 5): works with kwargs, with
+    """torch's non-reentrant checkpoint (docs/design.md, pitfall 5): works with kwargs, with
     inputs that do not require grad, and with engines' backward hooks; it stops
     recomputing early once every needed tensor is rebuilt."""
     return checkpoint(function, *args, use_reentrant=False, **kwargs)

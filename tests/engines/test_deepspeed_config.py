@@ -1,4 +1,4 @@
-"""`annot.deepspeed_config`: the dict says what it means (DESIGN.md lessons 9, 11, 12).
+"""`annot.deepspeed_config`: the dict says what it means (docs/design.md, pitfalls 9, 11, 12).
 Training with it is checked against torch in test_parity.py (zero2/zero3 scenarios)."""
 
 from __future__ import annotations
