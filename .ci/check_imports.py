@@ -39,13 +39,14 @@ PACKAGE = "annot"
 # root "annot" matches itself only. Keep this table and docs/design.md in step.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("policies, rewriter", ("annot.policies", "annot.rewriter")),
-    ("errors, _progress, markers, planning",
-     ("annot.errors", "annot._progress", "annot.markers", "annot.planning")),
+    ("errors, _progress, _version, markers, planning, module_state",
+     ("annot.errors", "annot._progress", "annot._version", "annot.markers", "annot.planning",
+      "annot.module_state")),
+    ("huggingface detection", ("annot.huggingface",)),
     ("runtime, meta", ("annot.runtime", "annot.meta")),
     ("checkpoint_io", ("annot.checkpoint_io",)),
-    ("huggingface detection", ("annot.huggingface",)),
     ("engines", ("annot.engines",)),
-    ("wrap", ("annot.wrap",)),
+    ("wrap, values", ("annot.wrap", "annot.values")),
     ("huggingface.pretrained", ("annot.huggingface.pretrained",)),
     ("memory", ("annot.memory",)),
     ("cli", ("annot.cli",)),

@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from annot._version import __version__ as __version__
+
 if TYPE_CHECKING:
-    from annot.meta.deferred import DeferredInitError, build, meta_init, register_init
     from annot.engines.base import Trainable
     from annot.engines.ddp import DDPOptions
     from annot.engines.deepspeed import DeepSpeedOptions
@@ -29,9 +30,8 @@ if TYPE_CHECKING:
     from annot.huggingface.pretrained import PretrainedPathError, from_pretrained
     from annot.markers import checkpoint_block, get_mark, mark, offload_block, shard_block, unmark
     from annot.memory import estimate_memory
+    from annot.meta.deferred import DeferredInitError, build, meta_init, register_init
     from annot.planning import plan
-    from annot.values import load, materialize, save
-    from annot.wrap import auto_wrap
     from annot.policies import (
         Plan,
         Policy,
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
         repeated_blocks,
     )
     from annot.policies.errors import AnnotError, PlanError
+    from annot.values import load, materialize, save
+    from annot.wrap import auto_wrap
 
 _EXPORTS = {
     "AnnotError": "annot.policies.errors",
@@ -133,7 +135,6 @@ __all__ = [
     "unmark",
 ]
 assert set(__all__) == set(_EXPORTS), "keep __all__ and _EXPORTS in step"
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:

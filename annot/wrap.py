@@ -23,8 +23,9 @@ from annot.planning import resolve_plan
 from annot.policies import Plan, Policy, Rule
 
 if TYPE_CHECKING:
-    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
+
+    from annot.engines.fsdp1 import FullyShardedDataParallel
 
 __all__ = ["auto_wrap"]
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from annot._progress import Progress
-from annot.checkpoint_io.safetensors_file import SafetensorsWriter
 from annot.checkpoint_io.loading import INDEX, SINGLE, state_names
+from annot.checkpoint_io.safetensors_file import SafetensorsWriter
 from annot.errors import CheckpointError
 from annot.meta.layout import WHOLE, ShardLayout
 

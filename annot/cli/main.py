@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from annot import __version__
+    from annot._version import __version__
 
     return __version__
 

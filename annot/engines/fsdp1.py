@@ -37,7 +37,9 @@ from annot.planning import resolve_plan
 from annot.policies import Action, Plan, Policy, Rule
 from annot.runtime.units import unit_paths
 
-__all__ = ["FSDP1", "FSDP1Options", "apply_fsdp1", "fsdp1_policies", "shard_layout"]
+__all__ = [
+    "FSDP1", "FSDP1Options", "FullyShardedDataParallel", "apply_fsdp1", "fsdp1_policies", "shard_layout",
+]
 
 # FSDP1 inserts a module under this name above each module it wraps; no key contains it.
 WRAPPED_MODULE = "_fsdp_wrapped_module"

@@ -24,7 +24,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
 from annot._progress import Progress
-from annot.meta.deferred import UNINITIALIZED, DeferredInit, DeferredInitError, Ref, deferred_init_of
+from annot.meta.deferred import (
+    UNINITIALIZED,
+    DeferredInit,
+    DeferredInitError,
+    Ref,
+    deferred_init_of,
+)
 from annot.meta.layout import WHOLE, FlatPart, ShardLayout
 from annot.module_state import module_state, peek_state
 

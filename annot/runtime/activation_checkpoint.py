@@ -33,9 +33,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from annot.module_state import module_state, peek_state
+from annot.policies import Action, Plan
 from annot.runtime.autograd_state import under_outer_checkpoint
 from annot.runtime.units import unit_paths
-from annot.policies import Action, Plan
 
 __all__ = [
     "apply_checkpointing",

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import annot
+from annot.policies import Policy, by_class, every_nth
 from annot.runtime.activation_checkpoint import (
     apply_checkpointing,
     checkpoint_module,
@@ -16,7 +17,6 @@ from annot.runtime.activation_checkpoint import (
     is_checkpointed,
 )
 from examples.gpt.model import GPT
-from annot.policies import Policy, by_class, every_nth
 
 N_LAYER = 4
 
