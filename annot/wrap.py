@@ -102,10 +102,10 @@ def auto_wrap(
     `annot.OptimizerOrderError` rather than silently training nothing. A transformers
     model is adjusted first (`annot.huggingface.model.prepare_for_training`, logged).
     """
-    steps = get_engine(engine)                                    # 1. engine, model, options
+    steps = get_engine(engine)                                    # 1. engine, options, model
+    opts = steps.options(options, **engine_options)
     checks.require_process_group(steps.name)
     deferred = _deferred(model)
-    opts = steps.options(options, **engine_options)
     if steps.requires_optimizer and optimizer is None:
         raise ValueError(
             f"engine {steps.name!r} needs optimizer=: a function from parameters to an "

@@ -78,31 +78,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def wrap(model: torch.nn.Module, args: argparse.Namespace) -> tuple[torch.nn.Module, object, object]:
-    """The wrapped model, its backward and its optimizer step, per strategy."""
+def wrap(model: torch.nn.Module, args: argparse.Namespace) -> annot.Trainable:
+    """The model wrapped for the strategy, with its optimizer."""
     precision = None if args.precision == "fp32" else args.precision
-    lr = 3e-4
+    options: dict[str, object] = {}
     if args.strategy in ("zero2", "zero3"):
-        wrapped = annot.auto_wrap(
-            model, "deepspeed", checkpoint=args.checkpoint, offload=args.offload or None,
-            mixed_precision=precision, reshard_after_forward=args.strategy == "zero3",
-            optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
-        )
-        return wrapped, wrapped.backward, wrapped.step
-    if args.strategy == "ddp":
-        # DDP cannot offload parameters: --offload means activation offload here.
-        wrapped = annot.auto_wrap(model, "ddp", checkpoint=args.checkpoint,
-                                  offload_activations=args.offload)
+        engine = "deepspeed"
+        options = dict(stage=3 if args.strategy == "zero3" else 2,
+                       offload="cpu" if args.offload else None, mixed_precision=precision)
+    elif args.strategy == "ddp":
+        # DDP cannot offload parameters (and casts nothing itself: autocast below).
+        engine, options = "ddp", dict(offload_activations=args.offload)
     else:
-        wrapped = annot.auto_wrap(model, args.strategy, checkpoint=args.checkpoint,
-                                  offload=args.offload or None, mixed_precision=precision)
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=lr)  # after wrapping, never before
-
-    def step() -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return wrapped, torch.Tensor.backward, step
+        engine = args.strategy
+        options = dict(offload=True if args.offload else None, mixed_precision=precision)
+    return annot.auto_wrap(model, engine, checkpoint=args.checkpoint,
+                           optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4), **options)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -120,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
             model = GPT(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                         block_size=args.block_size, vocab_size=args.vocab_size)
         params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-        wrapped, backward, step = wrap(model, args)
+        trainer = wrap(model, args)
         device = next(model.parameters()).device
         if device.type == "cpu" and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())  # parameters offloaded
@@ -137,9 +128,10 @@ def run(args: argparse.Namespace) -> dict:
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
             with autocast:
-                _, loss = wrapped(idx, targets)
-            backward(loss)
-            step()
+                _, loss = trainer(idx, targets)
+            trainer.backward(loss)
+            trainer.step()
+            trainer.zero_grad()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i >= args.warmup:

@@ -70,33 +70,25 @@ def main(argv: list[str] | None = None) -> list[float]:
         if rank == 0:
             print(annot.plan(model), flush=True)
 
-        options = dict(checkpoint=args.checkpoint, offload=True if args.offload else None)
-        if args.engine == "deepspeed":
-            # DeepSpeed builds the optimizer itself, after partitioning, from this factory.
-            model = annot.auto_wrap(model, "deepspeed", optimizer=lambda params: torch.optim.AdamW(
-                params, lr=args.lr), **options)
-            backward, step_optimizer = model.backward, model.step
-        else:
-            model = annot.auto_wrap(model, args.engine, **options)
-            # After wrapping, never before: sharding replaces the parameters.
-            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-            backward = torch.Tensor.backward
-
-            def step_optimizer() -> None:
-                optimizer.step()
-                optimizer.zero_grad()
+        # The optimizer is a factory: every engine builds it after sharding (which replaces
+        # the parameters), and gives back the same backward / step / zero_grad.
+        trainer = annot.auto_wrap(
+            model, args.engine, checkpoint=args.checkpoint,
+            optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
+            **({"offload": True} if args.offload else {}))
 
         data = counting_data(args.steps * world * args.batch_size, args.block_size,
                              args.vocab_size, args.seed + 1)
-        device = next(model.parameters()).device
+        device = next(trainer.parameters()).device
         losses = []
         start = time.perf_counter()
         for step in range(args.steps):
             first = (step * world + rank) * args.batch_size  # this rank's rows of this step
             batch = data[first : first + args.batch_size].to(device)
-            _, loss = model(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
-            backward(loss)
-            step_optimizer()
+            _, loss = trainer(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
+            trainer.backward(loss)
+            trainer.step()
+            trainer.zero_grad()
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
