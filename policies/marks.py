@@ -26,7 +26,7 @@ OFFLOAD_TARGETS: tuple[str, ...] = ("cpu", "nvme")
 # Name of the attribute holding a Mark, on a class (in its own __dict__) or on a module
 # instance (in the instance __dict__). A plain attribute changes nothing about the class:
 # not forward, not state_dict keys, not repr, not pickling.
-MARK_ATTR = "__annot_mark__"
+MARK_ATTR = "_annot_mark"
 
 
 class Action(str, enum.Enum):
