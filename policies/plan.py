@@ -37,6 +37,8 @@ class Unit:
     reason: str
     group: tuple[str, ...] = ()
     offload_to: str | None = None
+    #: How many of ``params`` require grad (``None``: not counted, e.g. an old JSON plan).
+    trainable: int | None = None
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -59,6 +61,8 @@ class Unit:
             out["group"] = list(self.group)
         if self.offload_to:
             out["offload_to"] = self.offload_to
+        if self.trainable is not None:
+            out["trainable"] = self.trainable
         return out
 
     @classmethod
@@ -72,6 +76,7 @@ class Unit:
             reason=data["reason"],
             group=tuple(data.get("group", ())),
             offload_to=data.get("offload_to"),
+            trainable=None if data.get("trainable") is None else int(data["trainable"]),
         )
 
 
@@ -82,9 +87,14 @@ class RootInfo:
     params: int
     bytes: dict[str, int]
     modules: tuple[str, ...]  # modules holding parameters directly in the root group
+    trainable: int | None = None  # how many of ``params`` require grad
 
     def to_dict(self) -> dict[str, Any]:
-        return {"params": self.params, "bytes": dict(self.bytes), "modules": list(self.modules)}
+        out: dict[str, Any] = {
+            "params": self.params, "bytes": dict(self.bytes), "modules": list(self.modules)}
+        if self.trainable is not None:
+            out["trainable"] = self.trainable
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RootInfo:
@@ -92,6 +102,7 @@ class RootInfo:
             params=int(data["params"]),
             bytes={str(k): int(v) for k, v in data.get("bytes", {}).items()},
             modules=tuple(data.get("modules", ())),
+            trainable=None if data.get("trainable") is None else int(data["trainable"]),
         )
 
 
@@ -171,8 +182,8 @@ class Plan:
     def table(self, *, collapse: bool = True) -> str:
         """A readable table. With ``collapse``, runs of identical sibling units
         (``model.layers.0`` ... ``model.layers.79``) print as one row."""
-        header = ("#", "unit", "class", "params", "size", "actions", "reason")
-        rows = [
+        header: tuple[str, ...] = ("#", "unit", "class", "params", "size", "actions", "reason")
+        rows: list[tuple[str, ...]] = [
             (
                 str(first) if first == last else f"{first}-{last}",
                 label,
@@ -189,6 +200,10 @@ class Plan:
             ("", "(root)", self.model, format_count(self.root.params),
              format_bytes(sum(self.root.bytes.values())), "shard (last)", "what no unit holds")
         )
+        if self.has_frozen:  # fine-tuning: say what each unit trains
+            counts = [u.trainable for _, _, _, u in _rows(self.units, collapse)] + [self.root.trainable]
+            header = (*header[:4], "trainable", *header[4:])
+            rows = [(*r[:4], _trainable_cell(n), *r[4:]) for r, n in zip(rows, counts, strict=True)]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = [f"Plan for {self.model}  (policy: {self.policy})"]
         for row in [header, *rows]:
@@ -213,6 +228,21 @@ class Plan:
     def __str__(self) -> str:
         return self.table()
 
+    @property
+    def has_frozen(self) -> bool:
+        """Whether some parameter of the model does not require grad (fine-tuning)."""
+        holders = [*self.units, self.root]
+        return any(h.trainable is not None and h.trainable < h.params for h in holders)
+
+    def mixed_dtype_units(self) -> list[str]:
+        """Shard units (and the root, as ``"(root)"``) holding parameters of several dtypes."""
+        mixed = [u.path for u in self.units if u.has(Action.SHARD) and len(u.bytes) > 1]
+        return mixed + (["(root)"] if len(self.root.bytes) > 1 else [])
+
+
+def _trainable_cell(trainable: int | None) -> str:
+    return "?" if trainable is None else ("frozen" if trainable == 0 else format_count(trainable))
+
 
 def _path_label(unit: Unit) -> str:
     return (unit.path or "(whole model)") + (f" +{len(unit.group)}" if unit.group else "")
@@ -226,8 +256,8 @@ def _indexed(path: str) -> tuple[str, int] | None:
 
 def _same_but_path(a: Unit, b: Unit) -> bool:
     return not a.group and not b.group and (
-        (a.cls, a.params, a.bytes, a.actions, a.offload_to, a.reason)
-        == (b.cls, b.params, b.bytes, b.actions, b.offload_to, b.reason)
+        (a.cls, a.params, a.trainable, a.bytes, a.actions, a.offload_to, a.reason)
+        == (b.cls, b.params, b.trainable, b.bytes, b.actions, b.offload_to, b.reason)
     )
 
 

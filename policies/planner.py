@@ -2,8 +2,9 @@
 
 The steps, in order: pick the policy (given, else marks, else HuggingFace metadata);
 run each action's rule; apply overrides; find which shard unit owns each parameter;
-group or reject tied parameters split across units; reject mixed dtypes and mixed
-``requires_grad`` inside a unit. Every error names the module paths and the fix.
+group or reject tied parameters split across units; count trainable parameters per
+unit and warn where a unit mixes dtypes (what an engine cannot shard, the engine refuses
+by name). Every error names the module paths and the fix.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
     tied = _tied_groups(model)
     units = _resolve_ties(index, units, tied, policy.group_tied)
     owned = _ownership(index, units)
-    _validate_units(index, units, owned)
+    warnings += _dtype_warnings(index, units, owned)
     units = [_with_counts(u, owned.get(u.path, []), index) for u in units]
     root_params = owned.get(ROOT, [])
     return Plan(
@@ -120,6 +121,7 @@ def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
             params=sum(p.numel() for _, p in root_params),
             bytes=_bytes_by_dtype(p for _, p in root_params),
             modules=tuple(dict.fromkeys(parent_path(n) or "(root)" for n, _ in root_params)),
+            trainable=sum(p.numel() for _, p in root_params if p.requires_grad),
         ),
         tied=tuple(tuple(group) for group in tied),
         total_params=sum(p.numel() for p in model.parameters()),
@@ -252,30 +254,25 @@ def _ownership(index: ModelIndex, units: list[Unit]) -> dict[str, list[tuple[str
     return owned
 
 
-def _validate_units(
+def _dtype_warnings(
     index: ModelIndex, units: list[Unit], owned: dict[str, list[tuple[str, nn.Parameter]]]
-) -> None:
-    errors = []
+) -> list[str]:
+    """A shard unit holding parameters of several dtypes: FSDP1 and FSDP2 flatten or
+    all-gather a unit in one dtype and refuse it (the engines say so when asked to wrap it);
+    DDP does not care. Frozen and trainable parameters may share a unit: every engine annot
+    drives trains such units (docs/design.md, pitfall 7)."""
+    warnings = []
     groups = [(u.path, u.cls) for u in units if u.has(Action.SHARD)]
     groups.append((ROOT, qualified_class_name(index.model)))
     for path, cls in groups:
-        params = owned.get(path, [])
-        label = f"{_label(path)} ({cls.rpartition('.')[2]})"
-        by_dtype = _split(params, lambda p: _dtype_name(p.dtype))
+        by_dtype = _split(owned.get(path, []), lambda p: _dtype_name(p.dtype))
         if len(by_dtype) > 1:
-            errors.append(
-                f"{label} mixes dtypes: {_listing(by_dtype)}. One shard unit holds one dtype: "
-                "cast the module to one dtype, or make the odd parameters' module a unit of "
-                "its own (by_name(...)) or keep it out of this unit."
-            )
-        by_grad = _split(params, lambda p: "trainable" if p.requires_grad else "frozen")
-        if len(by_grad) > 1:
-            errors.append(
-                f"{label} mixes frozen and trainable parameters: {_listing(by_grad)}. Freeze "
-                "or unfreeze the whole unit, or make the frozen part a unit of its own."
-            )
-    if errors:
-        raise PlanError("\n".join(errors))
+            warnings.append(
+                f"{_label(path)} ({cls.rpartition('.')[2]}) mixes dtypes: {_listing(by_dtype)}. "
+                "FSDP1 and FSDP2 shard one dtype per unit (annot refuses it for DeepSpeed too; "
+                "DDP trains it): cast the module to one dtype, or make the odd parameters' "
+                "module a unit of its own (by_name(...))")
+    return warnings
 
 
 def _split(params: list[tuple[str, nn.Parameter]], key) -> dict[str, list[str]]:
@@ -302,6 +299,7 @@ def _with_counts(unit: Unit, params: list[tuple[str, nn.Parameter]], index: Mode
         unit,
         params=sum(p.numel() for _, p in params),
         bytes=_bytes_by_dtype(p for _, p in params),
+        trainable=sum(p.numel() for _, p in params if p.requires_grad),
     )
 
 

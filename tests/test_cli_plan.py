@@ -131,7 +131,7 @@ def test_usage_error_exits_2(capsys):
 
 def test_console_script_runs_without_a_traceback(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "annot.cli.main", "plan", f"{tmp_path}/nope.py:X"],
+        [sys.executable, "-m", "annot.cli", "plan", f"{tmp_path}/nope.py:X"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2

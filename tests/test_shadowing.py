@@ -80,11 +80,11 @@ def test_users_policies_and_rewriter_files_do_not_shadow_annot(user_dir: Path) -
 
 
 def test_annot_rewrite_beside_users_files(user_dir: Path) -> None:
-    proc = run(["-m", "annot.cli.main", "rewrite", "--help"], user_dir)
+    proc = run(["-m", "annot.cli", "rewrite", "--help"], user_dir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "usage: annot rewrite" in proc.stdout
 
-    proc = run(["-m", "annot.cli.main", "rewrite", "model.py", "--target", "torch", "-q"],
+    proc = run(["-m", "annot.cli", "rewrite", "model.py", "--target", "torch", "-q"],
                user_dir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "checkpoint" in (user_dir / "model.py").read_text()

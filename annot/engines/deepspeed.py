@@ -29,7 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from annot.engines.base import Engine, OptimizerFactory, Trainable, WrapRequest, resolve_dtype
+from annot.engines.base import (
+    Engine,
+    OptimizerFactory,
+    Trainable,
+    WrapRequest,
+    refuse_mixed_dtypes,
+    resolve_dtype,
+)
 from annot.engines.deepspeed_config import deepspeed_config
 from annot.meta.deferred import DeferredInitError
 from annot.meta.layout import FlatPart, ShardLayout
@@ -168,6 +175,8 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         }.get(option, "")
 
     def check(self, model: nn.Module, plan: Plan, options: DeepSpeedOptions) -> None:
+        # Not verified with DeepSpeed, so refused rather than risked.
+        refuse_mixed_dtypes(plan, self.name)
         self.config = options.config if options.config is not None else deepspeed_config(
             plan, stage=3 if options.stage is None else options.stage, offload=options.offload,
             nvme_path=options.nvme_path,

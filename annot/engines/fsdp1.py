@@ -28,7 +28,13 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from annot.engines.base import Engine, WrapRequest, refuse_nvme_marks, resolve_dtype
+from annot.engines.base import (
+    Engine,
+    WrapRequest,
+    refuse_mixed_dtypes,
+    refuse_nvme_marks,
+    resolve_dtype,
+)
 from annot.errors import EngineNotAvailableError
 from annot.meta.deferred import DeferredInitError
 from annot.meta.layout import FlatPart, ShardLayout
@@ -91,6 +97,7 @@ class FSDP1(Engine[FSDP1Options]):
 
     def check(self, model: nn.Module, plan: Plan, options: FSDP1Options) -> None:
         _refuse_groups(plan)
+        refuse_mixed_dtypes(plan, self.name)
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
         if options.offload is None and any(u.has(Action.OFFLOAD) for u in plan.units):

@@ -28,7 +28,13 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from annot.engines.base import Engine, WrapRequest, refuse_nvme_marks, resolve_dtype
+from annot.engines.base import (
+    Engine,
+    WrapRequest,
+    refuse_mixed_dtypes,
+    refuse_nvme_marks,
+    resolve_dtype,
+)
 from annot.errors import EngineNotAvailableError
 from annot.policies import Action, Plan, Unit
 from annot.runtime.activation_checkpoint import apply_checkpointing
@@ -87,6 +93,7 @@ class FSDP2(Engine[FSDP2Options]):
     def check(self, model: nn.Module, plan: Plan, options: FSDP2Options) -> None:
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
+        refuse_mixed_dtypes(plan, self.name)
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: FSDP2Options,
                 checkpoint_paths: Sequence[str]) -> None:

@@ -22,7 +22,7 @@ def test_plan_and_from_pretrained_choose_the_class_that_saved_the_directory(tmp_
         num_attention_heads=2, num_labels=3, pad_token_id=0)
     getattr(transformers, cls_name)(config).save_pretrained(tmp_path)
 
-    planned = subprocess.run([sys.executable, "-m", "annot.cli.main", "plan", str(tmp_path), "--json"],
+    planned = subprocess.run([sys.executable, "-m", "annot.cli", "plan", str(tmp_path), "--json"],
                              capture_output=True, text=True, check=True)
     built = annot.from_pretrained(tmp_path, engine=None)
 
