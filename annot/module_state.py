@@ -42,6 +42,8 @@ class ModuleState:
     outer_checkpoint: bool = False
     #: `annot.runtime.activation_offload.ActivationOffloader` whose hooks it carries.
     activation_offloader: Any = None
+    #: The hook passing ``use_cache=False`` to a transformers model's training forwards.
+    no_cache_hook: Any = None
 
 
 def peek_state(module: nn.Module) -> ModuleState | None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from annot.checkpoint_io import loading, saving
 from annot.checkpoint_io.loading import LoadReport
+from annot.engines.base import Trainable
 from annot.engines.layout import shard_layout
 from annot.meta import materialization
 
@@ -35,9 +36,24 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
     return loading.load(model, path, strict=strict, device=device, layout=shard_layout(model))
 
 
-def save(model: nn.Module, directory: str | os.PathLike[str], *,
+def save(model: nn.Module | Trainable, directory: str | os.PathLike[str], *,
          max_shard_bytes: int = saving.DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None,
-         overwrite: bool = False) -> list[Path]:
-    """Write ``model`` as HuggingFace-compatible safetensors (`annot.checkpoint_io.saving.save`)."""
-    return saving.save(model, directory, max_shard_bytes=max_shard_bytes, dtype=dtype,
-                       overwrite=overwrite, layout=shard_layout(model))
+         overwrite: bool = False, peft: saving.PeftFormat | None = None) -> list[Path]:
+    """Write ``model`` (plain, FSDP2, FSDP1 or ZeRO-3) as HuggingFace-compatible
+    safetensors, gathering one tensor at a time; a PEFT model as its adapter or merged
+    (``peft=``) (`annot.checkpoint_io.saving.save`)."""
+    target = saved_module(model)
+    return saving.save(target, directory, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                       overwrite=overwrite, peft=peft, layout=shard_layout(target))
+
+
+def saved_module(model: nn.Module | Trainable) -> nn.Module:
+    """The module whose state a save reads: an FSDP1 model through its root wrapper (the
+    root's own shard holds what no unit does), any other through the bare model (DDP's
+    and DeepSpeed's wrappers add a ``module.`` level to every name)."""
+    if isinstance(model, Trainable):
+        return model.module if model.engine == "fsdp1" else model.model
+    inner = model._modules.get("module")
+    if inner is not None and len(model._modules) == 1:  # DDP, DeepSpeedEngine
+        return inner
+    return model

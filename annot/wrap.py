@@ -17,7 +17,7 @@ from annot.checkpoint_io.loading import load_logged
 from annot.engines import checks
 from annot.engines.base import OptimizerFactory, Trainable, WrapRequest
 from annot.engines.registry import get_engine
-from annot.huggingface.model import is_pretrained_model, prepare_for_training
+from annot.huggingface.model import prepare_for_training, pretrained_inside
 from annot.meta.deferred import deferred_init_of
 from annot.planning import resolve_plan
 from annot.policies import Plan, Policy, Rule
@@ -100,7 +100,8 @@ def auto_wrap(
     Build the optimizer after this call (or pass ``optimizer=``): sharding replaces the
     parameters, and an optimizer built before fails at its first step with
     `annot.OptimizerOrderError` rather than silently training nothing. A transformers
-    model is adjusted first (`annot.huggingface.model.prepare_for_training`, logged).
+    model (bare, or inside a PEFT model or a module of yours) is adjusted first
+    (`annot.huggingface.model.prepare_for_training`, logged).
     """
     steps = get_engine(engine)                                    # 1. engine, options, model
     opts = steps.options(options, **engine_options)
@@ -116,8 +117,9 @@ def auto_wrap(
     request = WrapRequest(plan, checks.default_device(device), deferred,
                           Path(load_from) if load_from is not None and deferred else None)
     checkpointed = steps.checkpoint_paths(model, plan, checkpoint)
-    if is_pretrained_model(model):                                # 3. HF training settings
-        prepare_for_training(model, checkpointing=bool(checkpointed))
+    hf_model = pretrained_inside(model)                           # 3. HF training settings
+    if hf_model is not None:  # a transformers model, bare or inside PEFT or a user's module
+        prepare_for_training(hf_model, checkpointing=bool(checkpointed))
     if load_from is not None and not deferred:                    # a model with storage
         load_logged(model, load_from, request.device)
     before = list(model.parameters())

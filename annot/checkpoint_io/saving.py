@@ -1,9 +1,12 @@
-"""`save`: a (possibly sharded) model to HuggingFace-compatible safetensors shards.
+"""`save`: a (possibly sharded) model to HuggingFace-compatible safetensors shards; for a
+PEFT model, PEFT's adapter format or the merged base model.
 
-Tensors are gathered one at a time (a sharded parameter's ``full_tensor()``) and rank 0
-streams each straight into its file, so no rank ever holds more than one full tensor.
-The files go to a temporary directory that is renamed into place at the end: a save that
-fails leaves nothing half-written where the checkpoint should be.
+A save is a list of `Entry` (a name, the full shape and dtype, and how to fetch the whole
+tensor). Tensors are fetched one at a time (a DTensor's ``full_tensor()``, or the
+engine's gather for a flat-sharded parameter) and rank 0 streams each straight into its
+file, so no rank ever holds more than one full tensor (FSDP1: one unit). The files go to
+a temporary directory that is renamed into place at the end: a save that fails leaves
+nothing half-written where the checkpoint should be.
 """
 
 from __future__ import annotations
@@ -11,72 +14,128 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from annot._progress import Progress
+from annot.checkpoint_io.entries import Entry, local
+from annot.checkpoint_io.entries import entry as model_entry
 from annot.checkpoint_io.loading import INDEX, SINGLE, state_names
+from annot.checkpoint_io.peft_export import adapter_entries, merged_entries
 from annot.checkpoint_io.safetensors_file import SafetensorsWriter
 from annot.errors import CheckpointError
 from annot.meta.layout import WHOLE, ShardLayout
 
-__all__ = ["save"]
+__all__ = ["DEFAULT_SHARD_BYTES", "save"]
 
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's names
+PeftFormat = Literal["adapter", "merged"]
 
 
-def save(model: nn.Module, directory: str | os.PathLike[str], *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-         dtype: torch.dtype | None = None, overwrite: bool = False,
+def save(model: nn.Module, directory: str | os.PathLike[str], *,
+         max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None,
+         overwrite: bool = False, peft: PeftFormat | None = None,
          layout: ShardLayout = WHOLE) -> list[Path]:
     """Write ``model``'s state (parameters and persistent buffers; a tied parameter once,
     under its first name) to ``directory`` as ``model.safetensors`` or, above
     ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` shards with
-    ``model.safetensors.index.json``; a HuggingFace ``config`` is saved beside them.
-    ``dtype`` casts floating tensors on the way out. Every rank must call it (sharded
-    tensors are gathered collectively); rank 0 writes. Returns the files written.
+    ``model.safetensors.index.json``; a HuggingFace ``config`` is saved beside them, as
+    the user has it. ``dtype`` casts floating tensors on the way out. Every rank must
+    call it (sharded tensors are gathered collectively); rank 0 writes. Returns the files
+    written.
+
+    A PEFT model needs ``peft``: ``"adapter"`` writes PEFT's own format
+    (``adapter_config.json`` and ``adapter_model.safetensors``, what
+    ``PeftModel.from_pretrained`` loads), ``"merged"`` the base model with the LoRA
+    updates added into its weights (what ``AutoModelForCausalLM.from_pretrained`` loads).
+    ``layout`` is where an engine that shards flattened parameters keeps them
+    (`annot.save` asks the engines).
     """
     directory = Path(directory)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if directory.exists() and any(directory.iterdir()) and not overwrite:
         raise CheckpointError(f"{directory} exists and is not empty: pass overwrite=True to replace it")
-    tensors = _unique(model, layout)
-    if any(_local(t).is_meta for t in tensors.values()):
-        raise CheckpointError("the model still has meta tensors: materialize or load it before saving")
-    if layout.flat:
+    if peft is None and _is_peft(model):
         raise CheckpointError(
-            "annot.save writes plain and FSDP2 models; for FSDP1 or DeepSpeed ZeRO-3 use the "
-            "engine's own checkpointing (FSDP1 full state dict, DeepSpeed save_checkpoint)")
+            f"{type(model).__name__} is a PEFT model: pass peft='adapter' (PEFT's adapter "
+            "files, for PeftModel.from_pretrained) or peft='merged' (the base model with the "
+            "adapters merged in, for AutoModelForCausalLM.from_pretrained)")
+    if peft is not None and not _is_peft(model):
+        raise CheckpointError(f"peft={peft!r}, but {type(model).__name__} is not a PEFT model")
+    if torch.distributed.is_initialized():
+        # Every rank has looked at the directory before rank 0 writes it: with whole
+        # parameters no gather holds rank 0 back, and another rank would find the new save.
+        torch.distributed.barrier()
 
-    def out_dtype(t: torch.Tensor) -> torch.dtype:
-        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+    def out_dtype(entry: Entry) -> torch.dtype:
+        return dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
 
-    shards = _split(tensors, max_shard_bytes, out_dtype)
+    if peft == "adapter":
+        entries, adapter_config = adapter_entries(model, _tensors(model, layout), layout)
+        return _write(directory, entries, out_dtype, max_shard_bytes=None, single=ADAPTER_FILE,
+                      extra=lambda tmp: adapter_config.save_pretrained(tmp))
+    if peft == "merged":
+        entries, config = merged_entries(model, _tensors(model, layout), layout)
+    else:
+        entries = [model_entry(name, t, layout) for name, t in _tensors(model, layout).items()]
+        config = getattr(layout.bare_model(model), "config", None)
+    return _write(directory, entries, out_dtype, max_shard_bytes=max_shard_bytes, single=SINGLE,
+                  extra=(lambda tmp: config.save_pretrained(tmp))
+                  if config is not None and hasattr(config, "save_pretrained") else None)
+
+
+def _is_peft(model: nn.Module) -> bool:
+    """A PEFT ``PeftModel``, recognised by attribute (no import)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _tensors(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Tensor]:
+    """The model's state by bare name, a tied tensor once under its first name."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in state_names(model, layout).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out[name] = tensor
+    if any(local(t).is_meta for t in out.values()):
+        raise CheckpointError("the model still has meta tensors: materialize or load it before saving")
+    return out
+
+
+def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], torch.dtype], *,
+           max_shard_bytes: int | None, single: str,
+           extra: Callable[[Path], Any] | None) -> list[Path]:
+    """Stream ``entries`` into safetensors files in a temporary directory (rank 0), add
+    what ``extra(tmp)`` writes (configs), then rename it into place."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    shards = _split(entries, max_shard_bytes, out_dtype)
     tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
-    files = [tmp / _shard_name(i, len(shards)) for i in range(len(shards))]
+    files = [tmp / (single if len(shards) == 1 else _shard_name(i, len(shards)))
+             for i in range(len(shards))]
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     try:
-        progress = Progress("saving", len(tensors))
-        for file, shard in zip(files, shards, strict=True):
-            writer = None
-            if rank == 0:
-                writer = SafetensorsWriter(file, [(n, tuple(tensors[n].shape), out_dtype(tensors[n])) for n in shard])
-            for name in shard:
-                full = _full(tensors[name])  # collective for sharded tensors: every rank calls
+        with Progress("saving", len(entries)) as progress:
+            for file, shard in zip(files, shards, strict=True):
+                writer = None
+                if rank == 0:
+                    writer = SafetensorsWriter(file, [(e.name, e.shape, out_dtype(e)) for e in shard])
+                for entry in shard:
+                    full = entry.fetch()  # collective for sharded tensors: every rank calls
+                    if writer is not None:
+                        writer.write(entry.name, full.to(out_dtype(entry)))
+                    progress.advance()
                 if writer is not None:
-                    writer.write(name, full.to(out_dtype(full)))
-                progress.advance()
-            if writer is not None:
-                writer.close()
-        progress.__exit__()
+                    writer.close()
         if rank == 0:
-            _write_index(tmp, shards, files, tensors, out_dtype)
-            config = getattr(model, "config", None)
-            if config is not None and hasattr(config, "save_pretrained"):
-                config.save_pretrained(tmp)
+            _write_index(tmp, shards, files, out_dtype)
+            if extra is not None:
+                extra(tmp)
             _replace(tmp, directory)
     except BaseException:
         if rank == 0:
@@ -87,46 +146,37 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *, max_shard_bytes
     return [directory / f.name for f in files]
 
 
-def _unique(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in state_names(model, layout).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            out[name] = tensor
-    return out
+def _nbytes(entry: Entry, out_dtype: Callable[[Entry], torch.dtype]) -> int:
+    count = 1
+    for size in entry.shape:
+        count *= size
+    return count * torch.empty((), dtype=out_dtype(entry)).element_size()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _split(tensors: dict[str, torch.Tensor], limit: int, out_dtype) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
+def _split(entries: list[Entry], limit: int | None,
+           out_dtype: Callable[[Entry], torch.dtype]) -> list[list[Entry]]:
+    shards: list[list[Entry]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * torch.empty((), dtype=out_dtype(t)).element_size()
-        if shards[-1] and size + nbytes > limit:
+    for entry in entries:
+        nbytes = _nbytes(entry, out_dtype)
+        if limit is not None and shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
-        shards[-1].append(name)
+        shards[-1].append(entry)
         size += nbytes
     return shards
 
 
 def _shard_name(i: int, n: int) -> str:
-    return SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def _write_index(tmp: Path, shards: list[list[str]], files: list[Path], tensors, out_dtype) -> None:
+def _write_index(tmp: Path, shards: list[list[Entry]], files: list[Path],
+                 out_dtype: Callable[[Entry], torch.dtype]) -> None:
     if len(shards) == 1:
         return
-    total = sum(t.numel() * torch.empty((), dtype=out_dtype(t)).element_size() for t in tensors.values())
-    weight_map = {name: file.name for file, shard in zip(files, shards, strict=True) for name in shard}
+    total = sum(_nbytes(e, out_dtype) for shard in shards for e in shard)
+    weight_map = {e.name: file.name for file, shard in zip(files, shards, strict=True) for e in shard}
     (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "refuse_mixed_dtypes",
     "refuse_nvme_marks",
     "resolve_dtype",
+    "trained_parameters",
 ]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -186,8 +187,14 @@ class Engine(Generic[OptionsT]):
 
     def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
                   options: OptionsT) -> Trainable:
-        """``wrapped`` with an optimizer over the parameters it trains with."""
-        return Trainable(wrapped, model, optimizer(wrapped.parameters()), self.name)
+        """``wrapped`` with an optimizer over the parameters it trains (those that
+        require grad: frozen ones get no optimizer state)."""
+        return Trainable(wrapped, model, optimizer(trained_parameters(wrapped)), self.name)
+
+
+def trained_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s parameters that require grad, each once."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def fill_values(model: nn.Module, load_from: str | os.PathLike[str] | None,

@@ -36,6 +36,7 @@ from annot.engines.base import (
     WrapRequest,
     refuse_mixed_dtypes,
     resolve_dtype,
+    trained_parameters,
 )
 from annot.engines.deepspeed_config import deepspeed_config
 from annot.meta.deferred import DeferredInitError
@@ -223,7 +224,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         import deepspeed
 
         engine, ds_optimizer, *_ = deepspeed.initialize(
-            model=wrapped, optimizer=optimizer, model_parameters=wrapped.parameters(),
+            model=wrapped, optimizer=optimizer, model_parameters=trained_parameters(wrapped),
             config=self.config)
         return DeepSpeedTrainable(engine, model, ds_optimizer, self.name)
 
@@ -318,4 +319,13 @@ def shard_layout(model: nn.Module) -> ShardLayout:
         if param.data.numel() == numel:
             found.append(FlatPart(param.data.view(-1), 0, numel, shape))
         parts[id(param)] = found
-    return ShardLayout(parts, engine="deepspeed") if parts else ShardLayout()
+    return ShardLayout(parts, engine="deepspeed", gather=_gather) if parts else ShardLayout()
+
+
+def _gather(param: torch.Tensor) -> torch.Tensor:
+    """The whole of a ZeRO-3 parameter. One parameter per gather: gathering a long list at
+    once returned wrong halves on DeepSpeed 0.19 with gloo (measured)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param]):
+        return param.detach().clone()

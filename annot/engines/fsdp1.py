@@ -132,6 +132,7 @@ def shard_layout(model: nn.Module) -> ShardLayout:
     each original parameter is a 1-D view of the part of it that lies in this rank's
     flat shard (empty when none of it is here)."""
     parts: dict[int, list[FlatPart]] = {}
+    owners: dict[int, FullyShardedDataParallel] = {}
     for fsdp_module in FullyShardedDataParallel.fsdp_modules(model):
         handle = fsdp_module._handle
         if handle is None:
@@ -144,9 +145,23 @@ def shard_layout(model: nn.Module) -> ShardLayout:
         for param, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes, strict=True):
             span = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
             parts[id(param)] = [FlatPart(param, *span, tuple(shape))]
+            owners[id(param)] = fsdp_module
     if not parts and not isinstance(model, FullyShardedDataParallel):
         return ShardLayout()
-    return ShardLayout(parts, frozenset({WRAPPED_MODULE}), "fsdp1")
+    if not isinstance(model, FullyShardedDataParallel):
+        # The root wrapper's shard (what no unit holds) cannot be located from inside.
+        raise EngineNotAvailableError(
+            f"{type(model).__name__} holds FSDP1 units but is not the FullyShardedDataParallel "
+            "root: pass what auto_wrap returned (or its Trainable)")
+
+    def gather(param: torch.Tensor) -> torch.Tensor:
+        # The owning unit's full parameters exist only inside this block (one unit at a
+        # time); the original parameter is then a view of its whole value.
+        with FullyShardedDataParallel.summon_full_params(owners[id(param)], recurse=False,
+                                                         writeback=False):
+            return param.detach().clone()
+
+    return ShardLayout(parts, frozenset({WRAPPED_MODULE}), "fsdp1", gather)
 
 
 def _selecting(modules: list[nn.Module]) -> CustomPolicy:

@@ -12,6 +12,7 @@ transformers is imported inside the functions: ``import annot`` stays light.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -19,12 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from annot.module_state import module_state
+
 __all__ = [
     "AUTO_CLASS_ORDER",
     "is_pretrained_model",
     "keep_in_fp32_names",
     "model_factory",
     "prepare_for_training",
+    "pretrained_inside",
 ]
 
 logger = logging.getLogger("annot.huggingface")
@@ -44,6 +48,15 @@ def is_pretrained_model(model: nn.Module) -> bool:
     """A transformers ``PreTrainedModel``, recognised by attribute (no import)."""
     return hasattr(model, "config") and hasattr(type(model), "_no_split_modules") and hasattr(
         model, "post_init")
+
+
+def pretrained_inside(model: nn.Module) -> nn.Module | None:
+    """The transformers model ``model`` is or wraps (a PEFT ``PeftModel``, a user's
+    module holding one): the outermost ``PreTrainedModel`` in its tree, or ``None``."""
+    for module in model.modules():
+        if is_pretrained_model(module):
+            return module
+    return None
 
 
 def model_factory(config: Any, auto_class: type | str | None = None,
@@ -100,12 +113,16 @@ def keep_in_fp32_names(model: nn.Module, dtype: torch.dtype) -> list[str]:
 
 def prepare_for_training(model: nn.Module, *, checkpointing: bool) -> list[str]:
     """Adjust a ``PreTrainedModel`` for `auto_wrap`; returns what was changed, in words
-    (each also logged on the ``annot.huggingface.pretrained`` logger).
+    (each also logged on the ``annot.huggingface`` logger).
 
     ``checkpointing``: whether annot checkpoints some of its units. If so and
     transformers' own activation checkpointing is on, it is turned off (annot's runs
     inside the engine's units). If not, transformers' stays and is what checkpoints.
-    Either way, when something checkpoints, ``config.use_cache`` is set to False.
+    Either way, when something checkpoints, training forwards run with
+    ``use_cache=False`` (recomputation would append to a key/value cache a second time:
+    docs/design.md, pitfall 14). The configs are left as they are, so a model saved later
+    keeps the user's ``use_cache``: the setting is passed to each training forward by a
+    forward pre-hook on the root, not written into the config.
     """
     notes: list[str] = []
     theirs = _hf_checkpointing(model)
@@ -117,15 +134,47 @@ def prepare_for_training(model: nn.Module, *, checkpointing: bool) -> list[str]:
                      "Plan's units instead (stacking both would recompute every layer twice)")
     elif theirs:
         notes.append("kept transformers' gradient checkpointing: annot checkpoints nothing here")
-    if checkpointing or theirs:
-        for config in _configs(model):
-            if getattr(config, "use_cache", False):
-                config.use_cache = False
-                notes.append(f"set {type(config).__name__}.use_cache = False: a key/value cache "
-                             "is not used in training and does not mix with checkpointing")
+    if (checkpointing or theirs) and _use_cache_position(model) is not None:
+        state = module_state(model)
+        if state.no_cache_hook is None:
+            state.no_cache_hook = model.register_forward_pre_hook(_no_cache_in_training,
+                                                                  with_kwargs=True)
+            notes.append("training forwards run with use_cache=False (a key/value cache is not "
+                         "used in training and does not mix with checkpointing); the config "
+                         "keeps use_cache as it was, for saving and generation")
     for note in notes:
         logger.warning("%s: %s", type(model).__name__, note)
     return notes
+
+
+def _use_cache_position(model: nn.Module) -> int | None:
+    """Where ``forward`` takes ``use_cache`` positionally (a large number when only by
+    keyword, through ``**kwargs``), or ``None`` if it cannot take it at all."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for i, parameter in enumerate(parameters):
+        if parameter.name == "use_cache":
+            return i
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return len(parameters) + 1_000_000
+    return None
+
+
+def _no_cache_in_training(module: nn.Module, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Forward pre-hook: ``use_cache=False`` for a forward that builds a graph (training,
+    grad on), unless the caller passed ``use_cache`` positionally (then it is theirs)."""
+    if not (module.training and torch.is_grad_enabled()) or kwargs.get("use_cache") is False:
+        return None
+    position = _use_cache_position(module)
+    if position is None or len(args) > position:
+        return None
+    if kwargs.get("use_cache"):
+        logger.warning("%s: use_cache=True in a training forward is ignored: recomputation under "
+                       "checkpointing would append to the cache twice", type(module).__name__)
+    return args, {**kwargs, "use_cache": False}
 
 
 def _hf_checkpointing(model: nn.Module) -> bool:
@@ -133,21 +182,3 @@ def _hf_checkpointing(model: nn.Module) -> bool:
     if flag is None:
         flag = getattr(type(model), "is_gradient_checkpointing", None)
     return bool(flag.__get__(model)) if isinstance(flag, property) else False
-
-
-def _configs(model: nn.Module) -> list[Any]:
-    """Every config the model's modules read: the root's, its sub-configs, and the copies
-    some submodules keep (T5's encoder and decoder stacks hold their own, so setting the
-    root's ``use_cache`` alone leaves the decoder caching)."""
-    out: list[Any] = []
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is None or not hasattr(config, "to_dict"):
-            continue
-        for candidate in (config, *(getattr(config, key, None)
-                                    for key in getattr(config, "sub_configs", None) or ())):
-            if candidate is not None and all(candidate is not seen for seen in out):
-                out.append(candidate)
-    return out
-
-

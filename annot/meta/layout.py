@@ -11,7 +11,7 @@ stay in the engine modules (docs/design.md, "Layout").
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -36,11 +36,14 @@ class ShardLayout:
     ``parts``: ``id(parameter) -> its flat parts here`` for flattened-sharded parameters
     (absent: whole, or a DTensor). ``wrapper_names``: module names the engine inserts into
     paths (FSDP1's ``_fsdp_wrapped_module``), which no checkpoint key contains.
-    ``engine``: who built it, for messages."""
+    ``engine``: who built it, for messages. ``gather(parameter)``: the whole parameter,
+    gathered by the engine (collective: every rank calls it for the same parameters in
+    the same order)."""
 
     parts: Mapping[int, list[FlatPart]] = dataclasses.field(default_factory=dict)
     wrapper_names: frozenset[str] = frozenset()
     engine: str = ""
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def flat(self) -> bool:
@@ -64,7 +67,8 @@ class ShardLayout:
     def merged(self, other: ShardLayout) -> ShardLayout:
         """Both layouts in one (a model holds one engine's, but asking each is simplest)."""
         return ShardLayout({**self.parts, **other.parts}, self.wrapper_names | other.wrapper_names,
-                           "+".join(e for e in (self.engine, other.engine) if e))
+                           "+".join(e for e in (self.engine, other.engine) if e),
+                           self.gather or other.gather)
 
 
 WHOLE = ShardLayout()

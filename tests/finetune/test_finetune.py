@@ -1,0 +1,120 @@
+"""Fine-tuning as people do it, on 2 CPU ranks against one process on the union of the
+ranks' rows: a PEFT LoRA Llama, a Llama with frozen embeddings and a T5 with a frozen
+encoder tower, each on FSDP2, FSDP2 with CPU offload, FSDP1, ZeRO-2 and ZeRO-3, with
+checkpointing. Shard units mix frozen and trainable parameters (LoRA adapters beside
+frozen base weights; the root's frozen embedding beside a trainable head)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import torchrun
+from tests.finetune.cases import CASES, ENGINES, TOLERANCE, reference
+
+pytest.importorskip("peft")
+pytest.importorskip("deepspeed")
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+WORKER = Path(__file__).with_name("finetune_worker.py")
+RUNS = [f"{case}:{engine}" for case in CASES for engine in ENGINES]
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("exports")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, exports) -> dict:
+    out = tmp_path_factory.mktemp("finetune") / "results.pt"
+    torchrun(WORKER, str(out), str(exports), *RUNS, timeout=900)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {case: reference(case) for case in CASES}
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_loss_at_every_step_matches_one_process(trained, references, run):
+    case = run.split(":")[0]
+    assert trained[run]["losses"] == pytest.approx(references[case][0], abs=TOLERANCE, rel=0)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_trainable_parameters_match_and_frozen_ones_did_not_move(trained, references, run):
+    case = run.split(":")[0]
+    _, want_trainable, want_frozen = references[case]
+    got = trained[run]["params"]
+    assert trained[run]["trainable"] == sorted(want_trainable)
+    for name, want in want_trainable.items():
+        torch.testing.assert_close(got[name], want, atol=TOLERANCE, rtol=0, msg=name)
+    for name, want in want_frozen.items():
+        assert torch.equal(got[name], want), name
+
+
+def test_the_cases_really_mix_frozen_and_trainable_parameters_in_a_unit():
+    import annot
+
+    for case, (_, build) in CASES.items():
+        plan = annot.plan(build())
+        mixed = [u for u in (*plan.units, plan.root) if 0 < (u.trainable or 0) < u.params]
+        assert mixed, case
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_training_moved_the_trainable_parameters(references, case):
+    # Otherwise matching the reference would prove nothing.
+    _, trained_params, _ = references[case]
+    initial = {n: p for n, p in CASES[case][1]().named_parameters() if p.requires_grad}
+    moved = max((trained_params[n] - initial[n]).abs().max().item() for n in trained_params)
+    assert moved > 1e-3
+
+
+LORA_RUNS = [run for run in RUNS if run.startswith("lora:")]
+
+
+@pytest.mark.parametrize("run", LORA_RUNS)
+def test_the_adapter_export_loads_in_peft_with_the_trained_logits(trained, exports, run):
+    import peft
+
+    from tests.huggingface.hf_archs import ARCHS, probe_inputs
+
+    loaded = peft.PeftModel.from_pretrained(ARCHS["llama"].build(), exports / run / "adapter").eval()
+    with torch.no_grad():
+        logits = loaded(**probe_inputs("llama")).logits
+    torch.testing.assert_close(logits, trained[run]["logits"], atol=TOLERANCE, rtol=0)
+    assert not (exports / run / "adapter" / "config.json").exists()  # PEFT's files only
+
+
+@pytest.mark.parametrize("run", LORA_RUNS)
+def test_the_merged_export_loads_in_transformers_with_the_trained_logits(trained, exports, run):
+    import json
+
+    import transformers
+
+    from tests.huggingface.hf_archs import probe_inputs
+
+    directory = exports / run / "merged"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        logits = loaded(**probe_inputs("llama")).logits
+    # Merging adds B @ A into W: the same sums in another order.
+    torch.testing.assert_close(logits, trained[run]["logits"], atol=TOLERANCE, rtol=0)
+    assert json.loads((directory / "config.json").read_text())["use_cache"] is True
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r.startswith("frozen-embeddings:")])
+def test_a_plain_save_from_every_engine_is_the_trained_model(trained, references, exports, run):
+    import transformers
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(exports / run / "model")
+    _, want_trainable, want_frozen = references["frozen-embeddings"]
+    for name, param in loaded.named_parameters():
+        want = want_trainable.get(name, want_frozen.get(name))
+        torch.testing.assert_close(param.detach(), want, atol=TOLERANCE, rtol=0, msg=name)
