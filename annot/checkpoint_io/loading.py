@@ -16,6 +16,7 @@ import logging
 import math
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,8 +25,8 @@ from torch import nn
 from annot._progress import Progress
 from annot.checkpoint_io.safetensors_file import SafetensorsFile
 from annot.errors import CheckpointError
-from annot.huggingface.keys import checkpoint_renamer
-from annot.huggingface.model import is_pretrained_model
+from annot.huggingface.keys import checkpoint_renamer, peft_renamer
+from annot.huggingface.model import is_peft_model, is_pretrained_model
 from annot.meta.deferred import deferred_init_of
 from annot.meta.layout import WHOLE, FlatPart, ShardLayout
 from annot.meta.materialization import materialize
@@ -226,9 +227,12 @@ def _rows(target: torch.Tensor) -> tuple[int, int] | None:
     return offset[0] if shape[0] else 0, (offset[0] + shape[0]) if shape[0] else 0
 
 
-def _key_renamer(model: nn.Module):
-    """transformers' checkpoint-to-model key renaming for a ``PreTrainedModel`` (files
-    written by ``save_pretrained`` may use legacy names); None for any other model."""
+def _key_renamer(model: nn.Module) -> Callable[[str], str] | None:
+    """How checkpoint keys become model names: transformers' renaming for a
+    ``PreTrainedModel`` (files written by ``save_pretrained`` may use legacy names), and
+    the base model's names mapped onto a PEFT model's; ``None`` for any other model."""
+    if is_peft_model(model):
+        return peft_renamer(model)
     return checkpoint_renamer(model) if is_pretrained_model(model) else None
 
 

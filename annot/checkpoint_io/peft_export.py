@@ -12,13 +12,10 @@ from torch import nn
 
 from annot.checkpoint_io.entries import Entry, full_shape, full_tensor
 from annot.errors import CheckpointError
+from annot.huggingface.keys import peft_base_name
 from annot.meta.layout import ShardLayout
 
 __all__ = ["adapter_entries", "merged_entries"]
-
-# PeftModel -> LoraModel -> the transformers model: the prefix of every base name.
-_BASE_PREFIX = "base_model.model."
-
 
 def adapter_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
                     layout: ShardLayout) -> tuple[list[Entry], Any]:
@@ -56,7 +53,7 @@ def merged_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
     for name, tensor in tensors.items():
         if ".lora_" in name or ".original_module." in name:
             continue  # adapters are merged in; a modules_to_save copy replaces its original
-        base = _base_name(name, adapter)
+        base = peft_base_name(name, adapter)
         fetch = lambda t=tensor: full_tensor(t, layout)  # noqa: E731
         if name.endswith(".base_layer.weight"):
             lora = peft_model.get_submodule(name.removesuffix(".base_layer.weight"))
@@ -73,12 +70,6 @@ def _active_adapter(peft_model: nn.Module) -> str:
     if getattr(config, "peft_type", None) is not None and str(config.peft_type.value) != "LORA":
         raise CheckpointError(f"adapter {adapter!r} is {config.peft_type.value}: annot exports LoRA")
     return adapter
-
-
-def _base_name(name: str, adapter: str) -> str:
-    name = name.removeprefix(_BASE_PREFIX)
-    name = name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
-    return name
 
 
 def _merged_weight(lora: nn.Module, weight: torch.Tensor, adapter: str, layout: ShardLayout,

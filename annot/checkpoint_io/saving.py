@@ -28,6 +28,7 @@ from annot.checkpoint_io.loading import INDEX, SINGLE, state_names
 from annot.checkpoint_io.peft_export import adapter_entries, merged_entries
 from annot.checkpoint_io.safetensors_file import SafetensorsWriter
 from annot.errors import CheckpointError
+from annot.huggingface.model import is_peft_model
 from annot.meta.layout import WHOLE, ShardLayout
 
 __all__ = ["DEFAULT_SHARD_BYTES", "save"]
@@ -59,12 +60,12 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *,
     directory = Path(directory)
     if directory.exists() and any(directory.iterdir()) and not overwrite:
         raise CheckpointError(f"{directory} exists and is not empty: pass overwrite=True to replace it")
-    if peft is None and _is_peft(model):
+    if peft is None and is_peft_model(model):
         raise CheckpointError(
             f"{type(model).__name__} is a PEFT model: pass peft='adapter' (PEFT's adapter "
             "files, for PeftModel.from_pretrained) or peft='merged' (the base model with the "
             "adapters merged in, for AutoModelForCausalLM.from_pretrained)")
-    if peft is not None and not _is_peft(model):
+    if peft is not None and not is_peft_model(model):
         raise CheckpointError(f"peft={peft!r}, but {type(model).__name__} is not a PEFT model")
     if torch.distributed.is_initialized():
         # Every rank has looked at the directory before rank 0 writes it: with whole
@@ -86,11 +87,6 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *,
     return _write(directory, entries, out_dtype, max_shard_bytes=max_shard_bytes, single=SINGLE,
                   extra=(lambda tmp: config.save_pretrained(tmp))
                   if config is not None and hasattr(config, "save_pretrained") else None)
-
-
-def _is_peft(model: nn.Module) -> bool:
-    """A PEFT ``PeftModel``, recognised by attribute (no import)."""
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
 def _tensors(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Tensor]:

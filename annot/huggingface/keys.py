@@ -10,7 +10,36 @@ from torch import nn
 
 from annot.errors import CheckpointError
 
-__all__ = ["checkpoint_renamer"]
+__all__ = ["checkpoint_renamer", "peft_base_name", "peft_renamer"]
+
+# PeftModel -> LoraModel -> the transformers model: the prefix of every base name.
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_base_name(name: str, adapter: str) -> str:
+    """The base model's name for a PEFT model's tensor name (a LoRA layer keeps the base
+    weight as ``base_layer``; ``modules_to_save`` keeps a trained copy)."""
+    name = name.removeprefix(PEFT_PREFIX)
+    return name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
+
+
+def peft_renamer(model: nn.Module) -> Callable[[str], str]:
+    """``rename(checkpoint_key) -> model_key`` for a PEFT model loading its base model's
+    checkpoint: transformers' renaming for the base model, then the base name to the PEFT
+    name. Adapter tensors are in no base checkpoint: they keep their initialization."""
+    from annot.huggingface.model import is_pretrained_model
+
+    base = model.get_base_model()  # type: ignore[operator]
+    adapter = model.active_adapter
+    base_rename = checkpoint_renamer(base) if is_pretrained_model(base) else (lambda key: key)
+    to_peft = {peft_base_name(name, adapter): name for name in model.state_dict()
+               if ".lora_" not in name and ".original_module." not in name}
+
+    def rename(key: str) -> str:
+        return to_peft.get(base_rename(key), key)
+
+    return rename
+
 
 
 def checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:

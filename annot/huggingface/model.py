@@ -24,6 +24,7 @@ from annot.module_state import module_state
 
 __all__ = [
     "AUTO_CLASS_ORDER",
+    "is_peft_model",
     "is_pretrained_model",
     "keep_in_fp32_names",
     "model_factory",
@@ -48,6 +49,11 @@ def is_pretrained_model(model: nn.Module) -> bool:
     """A transformers ``PreTrainedModel``, recognised by attribute (no import)."""
     return hasattr(model, "config") and hasattr(type(model), "_no_split_modules") and hasattr(
         model, "post_init")
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """A PEFT ``PeftModel``, recognised by attribute (no import)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
 def pretrained_inside(model: nn.Module) -> nn.Module | None:

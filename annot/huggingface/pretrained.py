@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from annot.errors import CheckpointError
-from annot.huggingface.model import keep_in_fp32_names, model_factory
+from annot.huggingface.model import is_peft_model, keep_in_fp32_names, model_factory
 
 __all__ = ["PretrainedPathError", "build_pretrained", "from_pretrained"]
 
@@ -38,6 +38,7 @@ def from_pretrained(
     trust_remote_code: bool = False,
     auto_class: type | str | None = None,
     strict: bool = False,
+    peft_config: Any = None,
     **auto_wrap_options: Any,
 ) -> Any:
     """Load the transformers model saved in the local directory ``path``, wrapped for ``engine``.
@@ -61,6 +62,12 @@ def from_pretrained(
     logged as a warning; ``strict=True`` refuses either with `annot.CheckpointError`
     listing them, before anything is allocated.
 
+    ``peft_config`` (a PEFT config, e.g. ``peft.LoraConfig(...)``) adds the adapters in
+    the same meta-device build (``peft.get_peft_model``), so the base weights are read
+    shard by shard into the PEFT model and the adapters get PEFT's own initialization,
+    bitwise as eager construction with the same seed; the result is the ``PeftModel``
+    (wrapped for ``engine``).
+
     ``engine=None`` returns the bare model, loaded and in eval mode like transformers'
     ``from_pretrained`` (no process group needed). With an engine the model is in training
     mode, as `auto_wrap` returns it. Raises `PretrainedPathError` when ``path`` is not a
@@ -70,7 +77,7 @@ def from_pretrained(
 
     path = _model_dir(path)
     model = build_pretrained(path, torch_dtype=torch_dtype, trust_remote_code=trust_remote_code,
-                             auto_class=auto_class)
+                             auto_class=auto_class, peft_config=peft_config)
     if strict:
         _refuse_mismatch(model, path)
     if engine is None:
@@ -87,6 +94,8 @@ def _refuse_mismatch(model: nn.Module, path: Path) -> None:
     from annot.checkpoint_io.loading import check_keys
 
     missing, unexpected = check_keys(model, path)
+    if is_peft_model(model):  # the adapters are new: no base checkpoint holds them
+        missing = [name for name in missing if ".lora_" not in name]
     if missing or unexpected:
         raise CheckpointError(
             f"{path} does not match {type(model).__name__}: missing {missing[:10]}, "
@@ -114,6 +123,7 @@ def build_pretrained(
     torch_dtype: torch.dtype | str | None = None,
     trust_remote_code: bool = False,
     auto_class: type | str | None = None,
+    peft_config: Any = None,
 ) -> nn.Module:
     """The model of ``path``'s config, built under `annot.meta_init` (no weights read):
     what `from_pretrained` loads into. Options as there."""
@@ -134,6 +144,10 @@ def build_pretrained(
         # Inside the block, so the casts are on the record and replayed.
         for module_path in keep_in_fp32_names(model, dtype):
             model.get_submodule(module_path).float()
+        if peft_config is not None:  # in the same block: one record for base and adapters
+            import peft
+
+            model = peft.get_peft_model(model, peft_config)
     return model
 
 

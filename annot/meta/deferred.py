@@ -186,6 +186,11 @@ def meta_init() -> Iterator[None]:
     part of another one built there gets the record attached; pass it to
     `annot.materialize` (or `annot.auto_wrap`) to give it real values.
     """
+    global _active
+    if _active:
+        raise DeferredInitError(
+            "annot.meta_init() blocks do not nest: build everything in one block (a model "
+            "and the adapters or heads added to it), or close the first block before the next")
     recorder = _Recorder()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     rng_state = torch.get_rng_state()
@@ -193,12 +198,14 @@ def meta_init() -> Iterator[None]:
     original_call = _capture_roots(built)
     from annot.meta.opaque_init import opaque_inits
 
+    _active = True
     try:
-        with opaque_inits(), fake_mode, recorder:
+        with opaque_inits(), _noop_to_returns_self(), fake_mode, recorder:
             yield
             for root in _roots(built):
                 _init_untouched(root, recorder)
     finally:
+        _active = False
         _release_capture(original_call)
     for root in _roots(built):
         _to_meta(root, recorder, rng_state)
@@ -222,6 +229,36 @@ def deferred_init_of(model: nn.Module) -> DeferredInit | None:
         state = peek_state(child)
     construction = state.construction if state is not None else None
     return construction if isinstance(construction, DeferredInit) else None
+
+
+_active = False  # inside a meta_init block (they do not nest: one record per block)
+
+
+@contextlib.contextmanager
+def _noop_to_returns_self() -> Iterator[None]:
+    """``module.to(...)`` that would change no tensor returns the module untouched.
+
+    Under FakeTensorMode, ``nn.Module._apply`` swaps every parameter for its converted
+    copy, and a conversion that changes nothing (PEFT moving new adapters "to the base
+    layer's device and dtype") fails to swap a parameter with itself. Eager torch changes
+    nothing there either, so skipping it keeps the construction exactly eager's."""
+    original = nn.Module.to
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if memory_format is None and all(
+                (device is None or t.device == torch.device(device))
+                and (dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype)
+                for t in tensors):
+            return self
+        return original(self, *args, **kwargs)
+
+    nn.Module.to = to  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.to = original  # type: ignore[method-assign]
 
 
 # Which modules were built: wrap nn.Module.__init__ for the duration of the block.

@@ -1,0 +1,43 @@
+"""`annot.from_pretrained(dir, engine, peft_config=...)`: the base checkpoint read into a
+PEFT model built on the meta device, adapters initialised as PEFT does (one process here;
+the 2-rank runs are in test_finetune.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import annot
+from tests.finetune.cases import LORA, SEED
+from tests.huggingface.hf_archs import ARCHS, probe_inputs
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+def test_equal_to_transformers_from_pretrained_then_get_peft_model(tmp_path):
+    trained_base = ARCHS["llama"].build()
+    with torch.no_grad():  # weights unlike any fresh initialization
+        for param in trained_base.parameters():
+            param.add_(0.5)
+    trained_base.save_pretrained(tmp_path)
+
+    torch.manual_seed(SEED)
+    loaded = annot.from_pretrained(tmp_path, engine=None, peft_config=LORA(), strict=True)
+    # What a user does without annot: load the base (no initialization runs for what the
+    # file holds, so no random numbers are drawn for it), then add the adapters.
+    torch.manual_seed(SEED)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    eager = peft.get_peft_model(reference, LORA())
+
+    assert isinstance(loaded, peft.PeftModel)
+    got, want_eager = loaded.state_dict(), eager.state_dict()
+    want_base = {f"base_model.model.{k}": v for k, v in trained_base.state_dict().items()}
+    for name, value in got.items():
+        assert torch.equal(value, want_eager[name]), name
+        if ".lora_" not in name:
+            assert torch.equal(value, want_base[name.replace(".base_layer.", ".")]), name
+    # The adapters start as PEFT starts them (B = 0): the model is the base model.
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**probe_inputs("llama")).logits,
+                                   trained_base.eval()(**probe_inputs("llama")).logits, rtol=0, atol=0)
