@@ -168,9 +168,9 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         }.get(option, "")
 
     def check(self, model: nn.Module, plan: Plan, options: DeepSpeedOptions) -> None:
-        # The casts: __post_init__ made offload a str (or None), mixed_precision a dtype (or None).
         self.config = options.config if options.config is not None else deepspeed_config(
             plan, stage=3 if options.stage is None else options.stage,
+            # casts: __post_init__ made offload a str (or None), mixed_precision a dtype (or None)
             offload=cast("str | None", options.offload),
             nvme_path=options.nvme_path,
             precision=_DEEPSPEED_PRECISION[cast("torch.dtype | None", options.mixed_precision)])
