@@ -8,9 +8,13 @@ block and checkpoints every second one. Overrides are applied after, in order, s
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, TypedDict
 
 from annot.policies.marks import OFFLOAD_TARGETS, Action
 from annot.policies.rules import Rule, keep_in_fp32_modules, marked, no_split_modules
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is Python >= 3.11
 
 __all__ = ["Override", "Policy"]
 
@@ -90,17 +94,18 @@ class Policy:
         return "; ".join(parts) or "(empty)"
 
     @classmethod
-    def from_marks(cls, **options: object) -> Policy:
+    def from_marks(cls, **options: Unpack[_MarksOptions]) -> Policy:
         """Each action from the marks (`annot.shard_block`, `annot.mark`, ...)."""
         return cls(
             shard=marked(Action.SHARD),
             checkpoint=marked(Action.CHECKPOINT),
             offload=marked(Action.OFFLOAD),
-            **options,  # type: ignore[arg-type]
+            **options,
         )
 
     @classmethod
-    def from_hf(cls, *, checkpoint: bool = True, group_tied: bool = True, **options: object) -> Policy:
+    def from_hf(cls, *, checkpoint: bool = True, group_tied: bool = True,
+                **options: Unpack[_HFOptions]) -> Policy:
         """HuggingFace metadata: shard (and by default checkpoint) the `_no_split_modules`.
         Tied embeddings and heads (``tie_word_embeddings``) are grouped into one unit;
         ``_keep_in_fp32_modules`` held in fp32 in a lower-precision model are units of
@@ -109,5 +114,21 @@ class Policy:
         # Modules kept in fp32 inside a bf16/fp16 model become units of their own
         # (selects nothing in an all-fp32 model), so no unit mixes dtypes.
         return cls(shard=blocks | keep_in_fp32_modules(),
-                   checkpoint=blocks if checkpoint else None,  # type: ignore[arg-type]
+                   checkpoint=blocks if checkpoint else None,
                    group_tied=group_tied, **options)
+
+
+class _MarksOptions(TypedDict, total=False):
+    """The `Policy` fields `Policy.from_marks` takes as keywords."""
+
+    offload_to: str
+    group_tied: bool
+    overrides: tuple[Override, ...]
+
+
+class _HFOptions(TypedDict, total=False):
+    """The `Policy` fields `Policy.from_hf` takes as keywords."""
+
+    offload: Rule | None
+    offload_to: str
+    overrides: tuple[Override, ...]

@@ -299,9 +299,10 @@ def _wrapped_statement(
         funcs[id(f.call)] = wrap(f)
     start = next(i for i, n in enumerate(found[0].path) if n is stmt)
     new_stmt = _replace(stmt, funcs, [f.path[start:] for f in found])
+    assert isinstance(new_stmt, cst.SimpleStatementLine)  # only calls inside it were replaced
     body: list[cst.BaseStatement] = [*before]
     if keep_statement:
-        body.append(new_stmt.with_changes(leading_lines=()))  # type: ignore[union-attr]
+        body.append(new_stmt.with_changes(leading_lines=()))
     body += after
     header = cst.TrailingWhitespace(
         whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(GUARD_MARKER)
@@ -380,7 +381,7 @@ def _insert_imports(
         ):
             index = 1
     nl = module.default_newline
-    new = [
+    new: list[cst.BaseStatement] = [
         cst.parse_statement(f"{line}  {import_marker}{nl}", config=module.config_for_parsing)
         for line in lines
     ]
@@ -416,7 +417,11 @@ def rewrite_module(
             stmt = group[0].statement
             new = _wrapped_statement(stmt, group, em, scan.names, scan.self_name)
             guards[id(new.test)] = id(new.orelse.body.body[0])  # type: ignore[union-attr]
-            repl[id(stmt)] = lambda _node, new=new: new
+
+            def replacement(_node: cst.CSTNode, new: cst.CSTNode = new) -> cst.CSTNode:
+                return new
+
+            repl[id(stmt)] = replacement
             path = group[0].path
             paths.append(path[: next(i for i, n in enumerate(path) if n is stmt) + 1])
     wanted = [f.call for f in found] + [k.node for k in skipped]
@@ -511,6 +516,7 @@ class _Undo(cst.CSTTransformer):
             return updated_node
         self.removed += 1
         original = original_node.orelse.body.body[0]  # type: ignore[union-attr]
+        assert isinstance(original, cst.BaseStatement)  # an IndentedBlock's (is_annot_guard)
         return original.with_changes(leading_lines=original_node.leading_lines)
 
     def leave_SimpleStatementLine(

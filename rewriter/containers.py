@@ -163,8 +163,12 @@ class _InitReader:
                             self.assign(f"{path}.{kw.keyword.value}", kw.value)
                 elif isinstance(items, cst.Dict):
                     for el in items.elements:
-                        if isinstance(el, cst.DictElement) and isinstance(el.key, cst.SimpleString):
-                            self.assign(f"{path}.{el.key.evaluated_value}", el.value)
+                        if (
+                            isinstance(el, cst.DictElement)
+                            and isinstance(el.key, cst.SimpleString)
+                            and isinstance(key := el.key.evaluated_value, str)  # not b"..."
+                        ):
+                            self.assign(f"{path}.{key}", el.value)
         elif kind[:1].isupper():
             self.containers[path] = Container(
                 path, "module", (_class_of(value, self.table) or kind,)
@@ -215,8 +219,8 @@ def _suites(stmt: cst.BaseStatement) -> Iterator[cst.BaseSuite]:
                 yield v
             elif isinstance(v, cst.If):
                 yield cst.IndentedBlock(body=[v])
-            elif isinstance(v, cst.CSTNode) and isinstance(getattr(v, "body", None), cst.BaseSuite):
-                yield v.body  # Else, ExceptHandler, Finally
+            elif isinstance(v, cst.CSTNode) and isinstance(suite := getattr(v, "body", None), cst.BaseSuite):
+                yield suite  # Else, ExceptHandler, Finally
 
 
 def _statements(body: cst.BaseSuite) -> Iterator[cst.BaseStatement]:

@@ -9,7 +9,7 @@ runs in ``forward`` and sees module globals.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -37,7 +37,7 @@ def _module_name(node: cst.Attribute | cst.Name | None, dots: int) -> str:
     return "." * dots + (name or "")
 
 
-def _toplevel_statements(body: tuple[cst.BaseStatement, ...]) -> Iterator[cst.BaseStatement]:
+def _toplevel_statements(body: Sequence[cst.BaseStatement]) -> Iterator[cst.BaseStatement]:
     """Module-level statements, descending into ``try``/``if``/``else`` but not defs."""
     for stmt in body:
         yield stmt

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import libcst as cst
 
@@ -93,7 +94,7 @@ class FunctionScan:
     self_name: str = "self"
 
 
-def is_annot_guard(node: cst.CSTNode) -> bool:
+def is_annot_guard(node: cst.CSTNode) -> TypeGuard[cst.If]:
     """True for the ``if ...:  # annot: checkpoint`` statements annot inserts."""
     if not isinstance(node, cst.If) or not isinstance(node.body, cst.IndentedBlock):
         return False

@@ -18,6 +18,7 @@ import os
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -217,8 +218,10 @@ def _rows(target: torch.Tensor) -> tuple[int, int] | None:
     """The dim-0 rows of the full tensor that this rank holds; None for a plain tensor."""
     if not hasattr(target, "device_mesh"):
         return None
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    target = cast(DTensor, target)  # what has a device_mesh; the import stays lazy
 
     if any(not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and p.dim != 0)
            for p in target.placements):

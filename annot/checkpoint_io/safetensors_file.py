@@ -120,6 +120,6 @@ class SafetensorsFile:
         out = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin + start * row_bytes)
-            if out.numel() and f.readinto(out.numpy()) != out.numel():
+            if out.numel() and f.readinto(out.numpy().data) != out.numel():  # .data: a memoryview
                 raise ValueError(f"{name}: file ends before its data")
         return out.view(dtype).reshape(shape)

@@ -125,7 +125,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         }
         model = build_target(args.target, options, dtype=args.dtype)
         if rules or args.group_tied:
-            base = Policy(**rules) if rules else default_policy(model)
+            base = Policy(shard=rules.get("shard"), checkpoint=rules.get("checkpoint"),
+                          offload=rules.get("offload")) if rules else default_policy(model)
             policy = Policy(shard=base.shard, checkpoint=base.checkpoint, offload=base.offload,
                             offload_to=args.offload_to, group_tied=args.group_tied)
             plan = make_plan(model, policy)

@@ -116,7 +116,7 @@ def _build_from_file(file: Path, class_name: str, options: dict[str, Any]) -> nn
         raise TargetError(f"{class_name}({call}) failed: {_one_line(exc)}") from None
 
 
-def _config_parameter(klass: type, options: dict[str, Any]) -> type | None:
+def _config_parameter(klass: type[nn.Module], options: dict[str, Any]) -> type | None:
     """The dataclass of a nanoGPT-style ``Model(config: ModelConfig)`` constructor, so
     ``--kwargs`` can fill the config; None when the options are the constructor's own."""
     try:
@@ -129,7 +129,7 @@ def _config_parameter(klass: type, options: dict[str, Any]) -> type | None:
     if len(params) != 1 or params[0].name in options:
         return None
     annotation = hints.get(params[0].name)
-    return annotation if dataclasses.is_dataclass(annotation) else None
+    return annotation if isinstance(annotation, type) and dataclasses.is_dataclass(annotation) else None
 
 
 def _import_file(file: Path):
@@ -174,6 +174,8 @@ def _build_hf(model_type: str | None, options: dict[str, Any], directory: Path |
         if directory is not None:
             config = transformers.AutoConfig.from_pretrained(directory, **options)
         else:
+            if model_type is None:  # build_target passes a model type or a directory
+                raise AssertionError("_build_hf needs a model type or a directory")
             config = transformers.AutoConfig.for_model(model_type, **options)
     except (ValueError, KeyError, OSError, TypeError) as exc:
         what = f"hf:{model_type}" if directory is None else str(directory)

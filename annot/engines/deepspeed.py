@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -179,9 +179,11 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         # Not verified with DeepSpeed, so refused rather than risked.
         refuse_mixed_dtypes(plan, self.name)
         self.config = options.config if options.config is not None else deepspeed_config(
-            plan, stage=3 if options.stage is None else options.stage, offload=options.offload,
+            plan, stage=3 if options.stage is None else options.stage,
+            # casts: __post_init__ made offload a str (or None), mixed_precision a dtype (or None)
+            offload=cast("str | None", options.offload),
             nvme_path=options.nvme_path,
-            precision=_DEEPSPEED_PRECISION[options.mixed_precision])
+            precision=_DEEPSPEED_PRECISION[cast("torch.dtype | None", options.mixed_precision)])
         stage = self.stage
         if options.leaf_modules is not None and stage != 3:
             raise ValueError(
@@ -313,8 +315,8 @@ def shard_layout(model: nn.Module) -> ShardLayout:
                 "before deepspeed.initialize (auto_wrap(..., load_from=...) does)")
         import deepspeed.comm
 
-        numel, shape = param.ds_numel, tuple(param.ds_shape)
-        start = partition.ds_numel * deepspeed.comm.get_rank(group=param.ds_process_group)
+        numel, shape = param.ds_numel, tuple(param.ds_shape)  # type: ignore[attr-defined]
+        start = partition.ds_numel * deepspeed.comm.get_rank(group=param.ds_process_group)  # type: ignore[attr-defined]
         found = [FlatPart(partition, min(start, numel), min(start + partition.ds_numel, numel), shape)]
         if param.data.numel() == numel:
             found.append(FlatPart(param.data.view(-1), 0, numel, shape))

@@ -16,7 +16,7 @@ the root last; `shard_layout` says where each parameter's shard is, for filling 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -108,7 +108,8 @@ class FSDP1(Engine[FSDP1Options]):
     def wrap(self, model: nn.Module, request: WrapRequest, options: FSDP1Options) -> nn.Module:
         return apply_fsdp1(
             model, request.plan, offload=_offload(options.offload),
-            mixed_precision=options.mixed_precision,
+            # __post_init__ resolved a name ("bf16") to a dtype
+            mixed_precision=cast("MixedPrecision | torch.dtype | None", options.mixed_precision),
             reshard_after_forward=options.reshard_after_forward, device=request.device)
 
     def layout(self, wrapped: nn.Module) -> ShardLayout:
@@ -141,9 +142,12 @@ def shard_layout(model: nn.Module) -> ShardLayout:
             raise DeferredInitError(
                 "annot fills FSDP1 models built with use_orig_params=True only (auto_wrap sets it)")
         flat = handle.flat_param
+        if flat._params is None:  # FSDP1 keeps them with use_orig_params=True (checked above)
+            raise DeferredInitError("an FSDP1 flat parameter without its original parameters")
         # Private to FSDP1 (torch >= 2.1): where each original parameter lies in the shard.
         for param, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes, strict=True):
-            span = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
+            start, end = info.intra_param_start_idx, info.intra_param_end_idx  # None: not in_shard
+            span = (start, end + 1) if start is not None and end is not None else (0, 0)
             parts[id(param)] = [FlatPart(param, *span, tuple(shape))]
             owners[id(param)] = fsdp_module
     if not parts and not isinstance(model, FullyShardedDataParallel):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -106,7 +106,8 @@ class FSDP2(Engine[FSDP2Options]):
     def wrap(self, model: nn.Module, request: WrapRequest, options: FSDP2Options) -> nn.Module:
         return apply_fsdp2(
             model, request.plan, offload=_offload(options.offload),
-            mixed_precision=options.mixed_precision,
+            # __post_init__ resolved a name ("bf16") to a dtype
+            mixed_precision=cast("MixedPrecisionPolicy | torch.dtype | None", options.mixed_precision),
             reshard_after_forward=options.reshard_after_forward, mesh=options.mesh,
             device=request.device)
 

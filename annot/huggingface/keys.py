@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
 
 from annot.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 __all__ = ["checkpoint_renamer", "peft_base_name", "peft_renamer"]
 
@@ -53,7 +58,7 @@ def checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     with _bare_classes(model):
-        mapping = get_model_conversion_mapping(model)
+        mapping = get_model_conversion_mapping(cast("PreTrainedModel", model))  # callers pass one
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     # Shapes only: the state dict of a meta or sharded model is names and metadata.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -97,10 +97,13 @@ def model_factory(config: Any, auto_class: type | str | None = None,
         else:
             raise ValueError(
                 f"no transformers auto class knows {type(config).__name__}: pass auto_class=")
-    if hasattr(auto_class, "_model_mapping"):  # an Auto* class
-        return lambda cfg, dtype: auto_class.from_config(cfg, dtype=dtype,
-                                                         trust_remote_code=trust_remote_code)
-    return lambda cfg, dtype: auto_class._from_config(cfg, dtype=dtype)
+    # The transformers class chosen: an Auto* class (from_config) or a model class
+    # (_from_config), which the `type` of the signature does not describe.
+    chosen: Any = auto_class
+    if hasattr(chosen, "_model_mapping"):  # an Auto* class
+        return lambda cfg, dtype: chosen.from_config(cfg, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+    return lambda cfg, dtype: chosen._from_config(cfg, dtype=dtype)
 
 
 def keep_in_fp32_names(model: nn.Module, dtype: torch.dtype) -> list[str]:
@@ -133,8 +136,9 @@ def prepare_for_training(model: nn.Module, *, checkpointing: bool) -> list[str]:
     notes: list[str] = []
     theirs = _hf_checkpointing(model)
     if theirs and checkpointing:
+        # A PreTrainedModel method; nn.Module's __getattr__ types attributes as Tensor | Module.
         disable = getattr(model, "activation_checkpointing_disable", None) or \
-            model.gradient_checkpointing_disable
+            cast("Callable[[], None]", model.gradient_checkpointing_disable)
         disable()
         notes.append("turned off transformers' gradient checkpointing: annot checkpoints the "
                      "Plan's units instead (stacking both would recompute every layer twice)")

@@ -298,8 +298,8 @@ def _init_untouched(root: nn.Module, recorder: _Recorder) -> None:
         init = next((fn for cls, fn in _registered_inits.items() if isinstance(module, cls)), None)
         if init is not None:
             init(module)
-        elif callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
+        elif callable(reset := getattr(module, "reset_parameters", None)):
+            reset()
 
 
 def _to_meta(root: nn.Module, recorder: _Recorder, rng_state: torch.Tensor) -> None:

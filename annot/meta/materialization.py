@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -95,8 +95,13 @@ def _targets(model: nn.Module, record: DeferredInit) -> dict[str, torch.Tensor]:
     for name in record.tensors:
         module_path, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_path)
-        tensor = module._parameters.get(leaf)
-        out[name] = tensor if tensor is not None else module._buffers[leaf]
+        tensor: torch.Tensor | None = module._parameters.get(leaf)
+        if tensor is None:
+            tensor = module._buffers[leaf]
+        if tensor is None:
+            raise DeferredInitError(
+                f"{name} is None now, but was a tensor when the model was built under annot.meta_init()")
+        out[name] = tensor
     return out
 
 
@@ -118,11 +123,13 @@ def _skippable(groups: set[int], record: DeferredInit) -> set[int]:
 
 def _retie(model: nn.Module, record: DeferredInit) -> None:
     """Make every name recorded as the same tensor point at one object again."""
-    first: dict[int, torch.Tensor] = {}
+    first: dict[int, torch.Tensor | None] = {}
     for name, ref in record.tensors.items():
         module_path, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_path)
-        holder = module._parameters if leaf in module._parameters else module._buffers
+        # cast: a parameter's name is tied back to a Parameter; the dict types are invariant.
+        holder = cast("dict[str, torch.Tensor | None]",
+                      module._parameters if leaf in module._parameters else module._buffers)
         if ref in first:
             holder[leaf] = first[ref]
         else:
@@ -153,8 +160,9 @@ def _fill(target: torch.Tensor, full: torch.Tensor, parts: list[FlatPart] | None
                 if part.stop > part.start:
                     part.destination[:part.stop - part.start].copy_(flat[part.start:part.stop])
         elif hasattr(target, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
+            from torch.distributed.tensor import DTensor, distribute_tensor
 
+            target = cast(DTensor, target)  # what has a device_mesh; the import stays lazy
             # src_data_rank=None: every rank holds the same full value and slices it
             # locally, no communication.
             piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)

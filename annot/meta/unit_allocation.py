@@ -9,6 +9,7 @@ full tensors of about one unit at a time rather than of the whole model.
 from __future__ import annotations
 
 from collections import Counter
+from typing import cast
 
 import torch
 from torch import nn
@@ -42,7 +43,8 @@ class UnitAllocator:
         self.record = deferred_init_of(model)
 
     def __call__(self, module: nn.Module) -> None:
-        for holder in (module._parameters, module._buffers):
+        # cast: a Parameter is replaced by a Parameter (below); the dict types are invariant.
+        for holder in (cast("dict[str, torch.Tensor | None]", module._parameters), module._buffers):
             for name, tensor in holder.items():
                 if tensor is None or not tensor.is_meta:
                     continue

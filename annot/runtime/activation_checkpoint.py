@@ -109,7 +109,7 @@ def checkpoint_module(module: nn.Module, checkpoint_fn: CheckpointFn = torch_che
     # The bound forward as it is now (the class's, or one another tool set on the instance).
     state.original_forward = module.forward
     # A bound method (not a closure) so copy.deepcopy rebinds it to the copy.
-    module.forward = types.MethodType(_checkpointed_forward, module)  # type: ignore[method-assign]
+    module.forward = types.MethodType(_checkpointed_forward, module)
     return module
 
 

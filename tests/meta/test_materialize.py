@@ -205,3 +205,17 @@ def test_progress_is_reported_when_asked(capsys):
         model = GPT(**SHAPE)
     annot.materialize(model, progress=True)
     assert "materializing: 100%" in capsys.readouterr().err
+
+
+def test_a_recorded_buffer_set_to_none_is_named():
+    class WithBuffer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("scale", torch.ones(2))
+
+    with annot.meta_init():
+        model = WithBuffer()
+    model.scale = None  # was an AttributeError on None inside materialize
+    with pytest.raises(annot.DeferredInitError, match="scale is None now"):
+        annot.materialize(model)
