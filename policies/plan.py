@@ -201,9 +201,9 @@ class Plan:
              format_bytes(sum(self.root.bytes.values())), "shard (last)", "what no unit holds")
         )
         if self.has_frozen:  # fine-tuning: say what each unit trains
-            counts = [u.trainable for _, _, _, u in _rows(self.units, collapse)] + [self.root.trainable]
+            trainable = [u.trainable for _, _, _, u in _rows(self.units, collapse)] + [self.root.trainable]
             header = (*header[:4], "trainable", *header[4:])
-            rows = [(*r[:4], _trainable_cell(n), *r[4:]) for r, n in zip(rows, counts, strict=True)]
+            rows = [(*r[:4], _trainable_cell(n), *r[4:]) for r, n in zip(rows, trainable, strict=True)]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = [f"Plan for {self.model}  (policy: {self.policy})"]
         for row in [header, *rows]:
@@ -231,8 +231,9 @@ class Plan:
     @property
     def has_frozen(self) -> bool:
         """Whether some parameter of the model does not require grad (fine-tuning)."""
-        holders = [*self.units, self.root]
-        return any(h.trainable is not None and h.trainable < h.params for h in holders)
+        counts: list[tuple[int | None, int]] = [(u.trainable, u.params) for u in self.units]
+        counts.append((self.root.trainable, self.root.params))
+        return any(trainable is not None and trainable < params for trainable, params in counts)
 
     def mixed_dtype_units(self) -> list[str]:
         """Shard units (and the root, as ``"(root)"``) holding parameters of several dtypes."""

@@ -5,6 +5,7 @@ base model's, so PEFT and transformers load the result."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ def adapter_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
     """The active adapter's tensors under PEFT's file names, and its config."""
     from peft.utils import get_peft_model_state_dict
 
-    peft_model = layout.bare_model(model)
+    peft_model: Any = layout.bare_model(model)  # a PeftModel: PEFT's own attributes
     adapter = _active_adapter(peft_model)
     # PEFT picks and renames by key, matching keys with its modules' names as it sees them
     # (inside FSDP1 they carry the wrapper level); meta placeholders stand for the tensors.
@@ -39,7 +40,7 @@ def adapter_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
     for key, placeholder in chosen.items():
         tensor = source[id(placeholder)]
         entries.append(Entry(layout.clean(key), tuple(placeholder.shape), tensor.dtype,
-                             lambda t=tensor: full_tensor(t, layout)))
+                             _whole(tensor, layout)))
     return entries, peft_model.peft_config[adapter]
 
 
@@ -47,14 +48,14 @@ def merged_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
                    layout: ShardLayout) -> tuple[list[Entry], Any]:
     """The base model's tensors under its own names, each LoRA ``base_layer.weight``
     with ``scaling * B @ A`` added (PEFT's ``get_delta_weight``), and the base config."""
-    peft_model = layout.bare_model(model)
+    peft_model: Any = layout.bare_model(model)  # a PeftModel: PEFT's own attributes
     adapter = _active_adapter(peft_model)
     entries = []
     for name, tensor in tensors.items():
         if ".lora_" in name or ".original_module." in name:
             continue  # adapters are merged in; a modules_to_save copy replaces its original
         base = peft_base_name(name, adapter)
-        fetch = lambda t=tensor: full_tensor(t, layout)  # noqa: E731
+        fetch = _whole(tensor, layout)
         if name.endswith(".base_layer.weight"):
             lora = peft_model.get_submodule(name.removesuffix(".base_layer.weight"))
             fetch = _merged_weight(lora, tensor, adapter, layout, name)
@@ -62,7 +63,11 @@ def merged_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
     return entries, peft_model.get_base_model().config
 
 
-def _active_adapter(peft_model: nn.Module) -> str:
+def _whole(tensor: torch.Tensor, layout: ShardLayout) -> Callable[[], torch.Tensor]:
+    return lambda: full_tensor(tensor, layout)
+
+
+def _active_adapter(peft_model: Any) -> str:
     adapter = peft_model.active_adapter
     if not isinstance(adapter, str):
         raise CheckpointError(f"{len(adapter)} adapters are active: activate one to save it")
@@ -72,8 +77,8 @@ def _active_adapter(peft_model: nn.Module) -> str:
     return adapter
 
 
-def _merged_weight(lora: nn.Module, weight: torch.Tensor, adapter: str, layout: ShardLayout,
-                   name: str):
+def _merged_weight(lora: Any, weight: torch.Tensor, adapter: str, layout: ShardLayout,
+                   name: str) -> Callable[[], torch.Tensor]:
     """``fetch`` for a LoRA Linear's merged weight (PEFT's ``get_delta_weight``)."""
     a, b = lora.lora_A[adapter], lora.lora_B[adapter]
     if not isinstance(a, nn.Linear) or getattr(lora, "use_dora", {}).get(adapter):

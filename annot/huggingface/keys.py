@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -28,13 +28,13 @@ def peft_base_name(name: str, adapter: str) -> str:
     return name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
 
 
-def peft_renamer(model: nn.Module) -> Callable[[str], str]:
+def peft_renamer(model: Any) -> Callable[[str], str]:
     """``rename(checkpoint_key) -> model_key`` for a PEFT model loading its base model's
     checkpoint: transformers' renaming for the base model, then the base name to the PEFT
     name. Adapter tensors are in no base checkpoint: they keep their initialization."""
     from annot.huggingface.model import is_pretrained_model
 
-    base = model.get_base_model()  # type: ignore[operator]
+    base = model.get_base_model()
     adapter = model.active_adapter
     base_rename = checkpoint_renamer(base) if is_pretrained_model(base) else (lambda key: key)
     to_peft = {peft_base_name(name, adapter): name for name in model.state_dict()
