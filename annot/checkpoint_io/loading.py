@@ -106,7 +106,7 @@ def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
             name = rename(key) if rename is not None else key
             available[name] = file
             file_key[name] = key
-    groups = _tied_groups(model, names)
+    groups = _tied_groups(model, names, layout)
     missing = [group[0] for group in groups if not any(n in available for n in group)]
     unexpected = sorted(set(available) - set(names))
     return _Match(missing, unexpected, groups, available, file_key)
@@ -171,11 +171,12 @@ def state_names(model: nn.Module, layout: ShardLayout = WHOLE) -> dict[str, torc
     return out
 
 
-def _tied_groups(model: nn.Module, names: dict[str, torch.Tensor]) -> list[list[str]]:
+def _tied_groups(model: nn.Module, names: dict[str, torch.Tensor],
+                 layout: ShardLayout = WHOLE) -> list[list[str]]:
     by_tensor: dict[int, list[str]] = defaultdict(list)
     for name, tensor in names.items():
         by_tensor[id(tensor)].append(name)
-    record = deferred_init_of(model)
+    record = deferred_init_of(layout.bare_model(model))
     if record is not None:  # after to_empty, ties are known by the record, not by identity
         by_ref: dict[int, list[str]] = defaultdict(list)
         for name in names:
@@ -189,7 +190,7 @@ def _allocate(model: nn.Module, device: torch.device | str | None, skip: set[str
     """Give a meta model storage (or, after an engine allocated it unit by unit, values)
     for what the checkpoint does not provide; ``skip`` names what it does."""
     tensors = list(model.parameters()) + list(model.buffers())
-    record = deferred_init_of(model)
+    record = deferred_init_of(layout.bare_model(model))
     if not any(_local(t).is_meta for t in tensors) and not (record is not None and record.pending):
         return
     if record is not None:

@@ -55,7 +55,7 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     replayed at all. ``layout`` is where an engine that shards flattened parameters keeps
     them on this rank (`annot.materialize` asks the engines; DTensors need none).
     """
-    record = deferred_init_of(model)
+    record = deferred_init_of(layout.bare_model(model))
     if record is None:
         raise DeferredInitError(
             f"{type(model).__name__} was not built under annot.meta_init(), so there is no "
