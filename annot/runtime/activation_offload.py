@@ -29,6 +29,13 @@ is recomputed in backward, and the recomputation reads the inputs back from the 
 The hooks are never pushed under another checkpoint or during a recomputation in
 backward (see `annot.runtime.autograd_state`): there they would keep on the host what the
 checkpoint drops.
+
+The two hooks are ``torch.compiler.disable``-d: with ``block.compile(fullgraph=True)``
+dynamo starts at the block's forward, the hooks run eagerly around it, and what the
+compiled region saves for backward goes through them (0 graph breaks). Compiling a
+parent instead inlines the block's hooks and stops there: dynamo runs the parent's
+forward eagerly (its block loop cannot resume after a break) and compiles each block's
+forward on its own; ``fullgraph=True`` on the parent fails.
 """
 
 from __future__ import annotations
@@ -137,8 +144,11 @@ def offload_activations(
     if state.activation_offloader is not None:
         raise ValueError(f"{type(module).__name__}'s activations are already offloaded by annot")
     offloader = offloader if offloader is not None else ActivationOffloader()
-    module.register_forward_pre_hook(offloader._enter)
-    module.register_forward_hook(offloader._exit, always_call=True)
+    # Kept out of torch.compile: pushing saved-tensor hooks and the outer-checkpoint test
+    # cannot be traced. With ``block.compile(fullgraph=True)`` the hooks then run eagerly
+    # around the compiled forward (no graph break); a compiled parent breaks at each.
+    module.register_forward_pre_hook(torch.compiler.disable(offloader._enter))
+    module.register_forward_hook(torch.compiler.disable(offloader._exit), always_call=True)
     state.activation_offloader = offloader
     return offloader
 

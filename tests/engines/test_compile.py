@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 import annot
 from annot.runtime.activation_checkpoint import checkpoint_module, has_outer_checkpoint
+from annot.runtime.activation_offload import offload_activations
 from examples.gpt.model import GPT
 
 TOL = {"rtol": 0, "atol": 1e-6}  # fp32
@@ -281,3 +282,21 @@ def test_fsdp2_auto_wrap_with_checkpointing_then_per_block_compile(gloo_one_rank
     assert losses(model) == pytest.approx(expected, rel=0, abs=1e-6)
     assert graph_breaks() == 0, dict(counters["graph_break"])
     assert recorder.checkpoint_regions >= 1  # torch 2.13: 1, both blocks share one graph
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["offload", "checkpoint+offload"])
+def test_an_offloaded_block_compiles_with_fullgraph_and_offloads_what_it_saves(checkpointed):
+    """The offload hooks run eagerly around the compiled forward, so what the compiled
+    region saves for backward goes to the host and comes back, and numbers hold."""
+    bare, x_bare = block(checkpointed=False), block_input()
+    bare(x_bare).square().sum().backward()
+    b, x = block(checkpointed), block_input()
+    offloader = offload_activations(b)
+    b.compile(fullgraph=True, backend=Recorder())
+    b(x).square().sum().backward()
+    assert graph_breaks() == 0
+    for got, want in zip(_grads(b, x), _grads(bare, x_bare), strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+    assert offloader.packed_tensors == offloader.unpacked_tensors > 0
+    # Checkpointed, the compiled region keeps its input (and the causal mask's slice).
+    assert (offloader.packed_bytes < 2 * x.nbytes) == checkpointed, offloader.packed_bytes
