@@ -41,7 +41,9 @@ forward on its own; ``fullgraph=True`` on the parent fails.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import functools
+import types
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -132,6 +134,15 @@ class ActivationOffloader:
             hooks.__exit__(None, None, None)
 
 
+@functools.cache
+def _eager_hooks() -> tuple[Callable[..., None], Callable[..., None]]:
+    """The offloader's hooks kept out of torch.compile (see the module docstring):
+    pushing saved-tensor hooks and the outer-checkpoint test cannot be traced. Made on
+    first use, because ``torch.compiler.disable`` imports dynamo (seconds)."""
+    disable = torch.compiler.disable
+    return disable(ActivationOffloader._enter), disable(ActivationOffloader._exit)
+
+
 def offload_activations(
     module: nn.Module, offloader: ActivationOffloader | None = None
 ) -> ActivationOffloader:
@@ -144,11 +155,10 @@ def offload_activations(
     if state.activation_offloader is not None:
         raise ValueError(f"{type(module).__name__}'s activations are already offloaded by annot")
     offloader = offloader if offloader is not None else ActivationOffloader()
-    # Kept out of torch.compile: pushing saved-tensor hooks and the outer-checkpoint test
-    # cannot be traced. With ``block.compile(fullgraph=True)`` the hooks then run eagerly
-    # around the compiled forward (no graph break); a compiled parent breaks at each.
-    module.register_forward_pre_hook(torch.compiler.disable(offloader._enter))
-    module.register_forward_hook(torch.compiler.disable(offloader._exit), always_call=True)
+    enter, exit_ = _eager_hooks()
+    # Bound methods, so copy.deepcopy rebinds them to the copy's offloader.
+    module.register_forward_pre_hook(types.MethodType(enter, offloader))
+    module.register_forward_hook(types.MethodType(exit_, offloader), always_call=True)
     state.activation_offloader = offloader
     return offloader
 

@@ -11,6 +11,7 @@ inductor the same block compiled with 0 graph breaks and gradients within 6e-8.
 
 from __future__ import annotations
 
+import copy
 import functools
 import socket
 import warnings
@@ -26,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 import annot
 from annot.runtime.activation_checkpoint import checkpoint_module, has_outer_checkpoint
-from annot.runtime.activation_offload import offload_activations
+from annot.runtime.activation_offload import activation_offloader, offload_activations
 from examples.gpt.model import GPT
 
 TOL = {"rtol": 0, "atol": 1e-6}  # fp32
@@ -300,3 +301,12 @@ def test_an_offloaded_block_compiles_with_fullgraph_and_offloads_what_it_saves(c
     assert offloader.packed_tensors == offloader.unpacked_tensors > 0
     # Checkpointed, the compiled region keeps its input (and the causal mask's slice).
     assert (offloader.packed_bytes < 2 * x.nbytes) == checkpointed, offloader.packed_bytes
+
+
+def test_offload_hooks_kept_out_of_compile_still_follow_a_deep_copy():
+    b = block()
+    offloader = offload_activations(b)
+    clone = copy.deepcopy(b)
+    clone(block_input())
+    assert activation_offloader(clone) is not offloader
+    assert activation_offloader(clone).packed_tensors > 0 and offloader.packed_tensors == 0
