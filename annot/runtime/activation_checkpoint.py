@@ -20,13 +20,14 @@ add a recomputation. The first such call warns once per class and marks the modu
 (`has_outer_checkpoint`). How it is detected, and the limits, are in
 `annot.runtime.autograd_state`.
 
-Under ``torch.compile`` (``block.compile(fullgraph=True)`` per block, or the whole
+Under ``torch.compile`` (``block.compile(fullgraph=True)`` per block, or a whole bare
 model) the forward is traced without graph breaks: the detection reads autograd state
 dynamo cannot trace, so while compiling annot skips it and always checkpoints a training
 forward; dynamo turns torch's checkpoint into a ``tag_activation_checkpoint`` region that
 the compiled backward recomputes. Eval mode and ``no_grad`` still run the plain forward
-(dynamo guards on both). The cost under an outer checkpoint is in
-`annot.runtime.autograd_state`.
+(dynamo guards on both and compiles one graph for each). The cost under an outer
+checkpoint is in `annot.runtime.autograd_state`. DeepSpeed's checkpoint function is traced
+as whatever it is; only torch's is measured under compile.
 """
 
 from __future__ import annotations
