@@ -19,6 +19,15 @@ block, HuggingFace's ``gradient_checkpointing_enable``): a second checkpoint wou
 add a recomputation. The first such call warns once per class and marks the module
 (`has_outer_checkpoint`). How it is detected, and the limits, are in
 `annot.runtime.autograd_state`.
+
+Under ``torch.compile`` (``block.compile(fullgraph=True)`` per block, or a whole bare
+model) the forward is traced without graph breaks: the detection reads autograd state
+dynamo cannot trace, so while compiling annot skips it and always checkpoints a training
+forward; dynamo turns torch's checkpoint into a ``tag_activation_checkpoint`` region that
+the compiled backward recomputes. Eval mode and ``no_grad`` still run the plain forward
+(dynamo guards on both and compiles one graph for each). The cost under an outer
+checkpoint is in `annot.runtime.autograd_state`. DeepSpeed's checkpoint function is traced
+as whatever it is; only torch's is measured under compile.
 """
 
 from __future__ import annotations
@@ -62,6 +71,11 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     assert original is not None and state.checkpoint_fn is not None
     if not (self.training and torch.is_grad_enabled()):
         return original(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        # Traced by dynamo (constant-folded): the outer-checkpoint test reads autograd
+        # state dynamo cannot trace (4 graph breaks, no fullgraph=True), so checkpoint
+        # unconditionally. Under an outer checkpoint: `annot.runtime.autograd_state`.
+        return state.checkpoint_fn(original, *args, **kwargs)
     if under_outer_checkpoint():
         _note_outer_checkpoint(self)
         return original(*args, **kwargs)

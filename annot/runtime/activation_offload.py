@@ -29,12 +29,21 @@ is recomputed in backward, and the recomputation reads the inputs back from the 
 The hooks are never pushed under another checkpoint or during a recomputation in
 backward (see `annot.runtime.autograd_state`): there they would keep on the host what the
 checkpoint drops.
+
+The two hooks are ``torch.compiler.disable``-d: with ``block.compile(fullgraph=True)``
+dynamo starts at the block's forward, the hooks run eagerly around it, and what the
+compiled region saves for backward goes through them (0 graph breaks). Compiling a
+parent instead inlines the block's hooks and stops there: dynamo runs the parent's
+forward eagerly (its block loop cannot resume after a break) and compiles each block's
+forward on its own; ``fullgraph=True`` on the parent fails.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import functools
+import types
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -125,6 +134,15 @@ class ActivationOffloader:
             hooks.__exit__(None, None, None)
 
 
+@functools.cache
+def _eager_hooks() -> tuple[Callable[..., None], Callable[..., None]]:
+    """The offloader's hooks kept out of torch.compile (see the module docstring):
+    pushing saved-tensor hooks and the outer-checkpoint test cannot be traced. Made on
+    first use, because ``torch.compiler.disable`` imports dynamo (seconds)."""
+    disable = torch.compiler.disable
+    return disable(ActivationOffloader._enter), disable(ActivationOffloader._exit)
+
+
 def offload_activations(
     module: nn.Module, offloader: ActivationOffloader | None = None
 ) -> ActivationOffloader:
@@ -137,8 +155,10 @@ def offload_activations(
     if state.activation_offloader is not None:
         raise ValueError(f"{type(module).__name__}'s activations are already offloaded by annot")
     offloader = offloader if offloader is not None else ActivationOffloader()
-    module.register_forward_pre_hook(offloader._enter)
-    module.register_forward_hook(offloader._exit, always_call=True)
+    enter, exit_ = _eager_hooks()
+    # Bound methods, so copy.deepcopy rebinds them to the copy's offloader.
+    module.register_forward_pre_hook(types.MethodType(enter, offloader))
+    module.register_forward_hook(types.MethodType(exit_, offloader), always_call=True)
     state.activation_offloader = offloader
     return offloader
 

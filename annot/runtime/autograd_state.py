@@ -21,6 +21,27 @@ Limits: a third party's saved-tensor hooks pushed *inside* a torch checkpoint hi
 forward that a user deliberately runs inside a backward hook is treated as a
 recomputation. ``torch._C._autograd._top_saved_tensors_default_hooks`` and
 ``torch._C._current_graph_task_id`` are private torch APIs, stable since torch 2.0.
+
+Under ``torch.compile`` neither can be traced (each call is a graph break: 4 per
+checkpointed forward, and ``fullgraph=True`` fails); declaring the test a constant for
+dynamo (``torch.compiler.assume_constant_result``) would bake its first answer into the
+graph with no guard. So run-time checkpointing does not ask while dynamo traces
+(``torch.compiler.is_compiling()``, constant-folded) and always checkpoints a training
+forward. Gradients are unchanged in every case; what an outer checkpoint costs then
+(measured on torch 2.13, CPU):
+
+- the outer checkpoint traced in the same compiled graph (the whole model compiled, its
+  source calling ``torch.utils.checkpoint``): the two regions nest and the compiled
+  backward recomputes the block once, exactly as without annot's checkpoint;
+- a compiled block called under an eager outer checkpoint (a hand-written or
+  HuggingFace checkpoint around a block compiled on its own, either kind): the outer one
+  reruns the block's compiled forward and the block's compiled backward recomputes it
+  once more (5 of the GPT block's 6 matmuls: one extra, partial, forward per step), and
+  no warning is given. Pass ``checkpoint=False`` to ``auto_wrap`` when the model
+  checkpoints its own blocks.
+
+Activation offload's hooks are kept out of compiled code (`annot.runtime.activation_offload`),
+so they still ask, eagerly, around a compiled forward.
 """
 
 from __future__ import annotations
