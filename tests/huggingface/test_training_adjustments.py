@@ -6,9 +6,9 @@ anything checkpoints (T5's stacks keep configs of their own)."""
 from __future__ import annotations
 
 import torch
-from hf_archs import ARCHS
 
 from annot.huggingface.pretrained import _configs, is_pretrained_model, prepare_for_training
+from tests.huggingface.hf_archs import ARCHS
 
 
 def _hf_checkpointing(model) -> bool:
