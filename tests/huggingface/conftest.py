@@ -1,26 +1,20 @@
 """Fixtures shared by the HuggingFace tests: the architecture matrix, saved checkpoints,
-and one torchrun launch per engine for the whole matrix (launches are the slow part)."""
+and one torchrun launch for the whole matrix with both engines (launches are the slow part)."""
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))  # hf_archs, as the worker imports it
+from tests.distributed import torchrun
+from tests.huggingface.hf_archs import ARCHS, LAUNCH_TIMEOUT_S, PRETRAINED_DISTRIBUTED
 
 pytest.importorskip("transformers")
 
-from hf_archs import ARCHS  # noqa: E402
-
-# 2-rank from_pretrained checks: one with tied embeddings (gemma), one without (llama),
-# one whose file names differ from the model's (gpt_neox), an encoder-decoder (t5).
-PRETRAINED_DISTRIBUTED = ("llama", "gemma", "gpt_neox", "t5")
-LAUNCH_TIMEOUT_S = 420
+WORKER = Path(__file__).with_name("hf_worker.py")
 
 
 @pytest.fixture(scope="session")
@@ -34,26 +28,31 @@ def saved_models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _launch(engine: str, tmp_path_factory, pretrained: list[Path]) -> dict:
-    from tests.engines.engine_harness import torchrun
-
-    out = tmp_path_factory.mktemp(f"hf-{engine}") / "results.pt"
-    args = [str(out), engine, *ARCHS]
-    if pretrained:
-        args += ["--pretrained", *map(str, pretrained)]
-    result = torchrun(HERE / "hf_worker.py", *args, timeout=LAUNCH_TIMEOUT_S)
+@pytest.fixture(scope="session")
+def hf_runs(tmp_path_factory, saved_models) -> dict[str, dict]:
+    """One launch for both engines: the whole matrix trained on 2 ranks with FSDP2, plus
+    2-rank from_pretrained; then the same with DeepSpeed ZeRO-3 (one from_pretrained),
+    where DeepSpeed is installed."""
+    runs = {"fsdp2": [saved_models[n] for n in PRETRAINED_DISTRIBUTED]}
+    if importlib.util.find_spec("deepspeed") is not None:
+        runs["deepspeed"] = [saved_models["llama"]]
+    out = tmp_path_factory.mktemp("hf-runs") / "results.pt"
+    args = [str(out)]
+    for engine, pretrained in runs.items():
+        args += ["--engine", engine, *ARCHS, "--pretrained", *map(str, pretrained)]
+    result = torchrun(WORKER, *args, timeout=LAUNCH_TIMEOUT_S * len(runs))
     assert result.returncode == 0, result.stdout[-6000:]
     return torch.load(out, weights_only=False)
 
 
 @pytest.fixture(scope="session")
-def fsdp2_run(tmp_path_factory, saved_models) -> dict:
+def fsdp2_run(hf_runs) -> dict:
     """The whole matrix trained with FSDP2 on 2 ranks, plus 2-rank from_pretrained."""
-    return _launch("fsdp2", tmp_path_factory, [saved_models[n] for n in PRETRAINED_DISTRIBUTED])
+    return hf_runs["fsdp2"]
 
 
 @pytest.fixture(scope="session")
-def zero3_run(tmp_path_factory, saved_models) -> dict:
+def zero3_run(hf_runs) -> dict:
     """The whole matrix trained with DeepSpeed ZeRO-3 on 2 ranks, plus one from_pretrained."""
     pytest.importorskip("deepspeed")
-    return _launch("deepspeed", tmp_path_factory, [saved_models["llama"]])
+    return hf_runs["deepspeed"]

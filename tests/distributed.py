@@ -1,0 +1,145 @@
+"""Multi-process tests: the one launcher every test uses, and the entry of every worker.
+
+In the pytest process::
+
+    from tests.distributed import torchrun
+
+    proc = torchrun(WORKER, str(out), "scenario-a", "scenario-b", nproc=2, timeout=180)
+
+runs ``WORKER`` under torchrun on a free port, with the repository root on ``PYTHONPATH``
+(so workers import ``tests.…``, ``examples.…`` and this tree's ``annot``) and
+``OMP_NUM_THREADS=1``, in a new session so that a hang past ``timeout`` kills torchrun and
+every rank it started. A non-zero exit fails the test with the ranks' own tracebacks
+first and torchrun's summary after them.
+
+In a worker script (run by torchrun)::
+
+    from tests.distributed import worker_main
+
+    def run(*args: str) -> dict: ...  # this worker's own logic, called on every rank
+
+    if __name__ == "__main__":
+        worker_main(run)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD_SIZE = 2
+LAUNCH_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_process(cmd: Sequence[str], *, timeout: float, env: dict[str, str] | None = None,
+                cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a new session, stderr merged into stdout. A run past ``timeout``
+    kills the whole process group (the command and everything it started) and raises
+    ``TimeoutError`` with the output so far."""
+    proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise TimeoutError(f"{' '.join(cmd)} ran past {timeout}s:\n{out[-8000:]}") from None
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, "")
+
+
+def worker_env() -> dict[str, str]:
+    """This environment with the repository root first on PYTHONPATH and one OpenMP
+    thread per process (two ranks on two cores)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
+_RANK_LINE = re.compile(r"^\[(?:rank|default)(\d+)\]:")
+
+
+def failure_report(proc: subprocess.CompletedProcess) -> str:
+    """What a failed launch printed: the ranks' own lines first (their tracebacks; torch
+    prefixes them with ``[rankN]:``), rank by rank, then the tail of the rest, torchrun's
+    summary last."""
+    lines = proc.stdout.splitlines()
+    by_rank: dict[int, list[str]] = {}
+    rest = []
+    for line in lines:
+        match = _RANK_LINE.match(line)
+        if match:
+            by_rank.setdefault(int(match.group(1)), []).append(line)
+        else:
+            rest.append(line)
+    ranks = [line for rank in sorted(by_rank) for line in by_rank[rank]]
+    if not ranks:  # no prefixed lines: a worker's unprefixed traceback, outside torchrun's
+        ranks = _tracebacks(lines)
+    parts = [f"{' '.join(map(str, proc.args))} exited {proc.returncode}"]
+    if ranks:
+        parts += ["--- the ranks' tracebacks:", *ranks[:200]]
+        if len(ranks) > 200:
+            parts.append(f"... ({len(ranks) - 200} more lines)")
+    parts += ["--- the rest of the output (tail):", "\n".join(rest)[-4000:]]
+    return "\n".join(parts)
+
+
+def _tracebacks(lines: list[str]) -> list[str]:
+    """Traceback blocks that are not torchrun's own (its frames are in run.py)."""
+    blocks, current = [], None
+    for line in lines:
+        if line.startswith("Traceback (most recent call last):"):
+            current = [line]
+        elif current is not None:
+            current.append(line)
+            if line and not line[0].isspace():  # the exception line ends the block
+                if not any("torch/distributed/run.py" in x for x in current):
+                    blocks += current
+                current = None
+    return blocks
+
+
+def torchrun(script: Path | str, *args: str, nproc: int = WORLD_SIZE,
+             timeout: float = LAUNCH_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``script ARGS`` on ``nproc`` CPU ranks under torchrun (see the module
+    docstring). With ``check``, a non-zero exit raises ``AssertionError`` with
+    `failure_report`. Returns the completed process, stderr merged into stdout."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args,
+    ]
+    proc = run_process(cmd, timeout=timeout, env=worker_env())
+    if check and proc.returncode != 0:
+        raise AssertionError(failure_report(proc))
+    return proc
+
+
+def worker_main(run: Callable[..., Any]) -> None:
+    """The entry of a worker script run under torchrun as ``script OUT [ARG ...]``: joins
+    the gloo process group, calls ``run(*ARGS)`` on every rank, and rank 0 saves what it
+    returns to OUT with ``torch.save``. All ranks then meet at a barrier (no rank tears
+    gloo down while another is still in a collective) and leave the group."""
+    import torch
+    import torch.distributed as dist
+
+    out, *args = sys.argv[1:]
+    dist.init_process_group("gloo")
+    try:
+        result = run(*args)
+        if dist.get_rank() == 0:
+            torch.save(result, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
