@@ -46,19 +46,20 @@ def free_port() -> int:
 
 
 def run_process(cmd: Sequence[str], *, timeout: float, env: dict[str, str] | None = None,
-                cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in a new session, stderr merged into stdout. A run past ``timeout``
-    kills the whole process group (the command and everything it started) and raises
-    ``TimeoutError`` with the output so far."""
+                cwd: Path | str = ROOT, merge_stderr: bool = True) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a new session, stderr merged into stdout unless ``merge_stderr`` is
+    false. A run past ``timeout`` kills the whole process group (the command and
+    everything it started) and raises ``TimeoutError`` with the output so far."""
+    stderr = subprocess.STDOUT if merge_stderr else subprocess.PIPE
     proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=stderr, text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise TimeoutError(f"{' '.join(cmd)} ran past {timeout}s:\n{out[-8000:]}") from None
-    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, "")
+        out, err = proc.communicate()
+        raise TimeoutError(f"{' '.join(cmd)} ran past {timeout}s:\n{out[-8000:]}\n{err or ''}") from None
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err or "")
 
 
 def worker_env() -> dict[str, str]:

@@ -17,8 +17,8 @@ def test_the_table_driver_prints_a_filled_row_for_ddp_with_activation_offload():
            "--strategies", "ddp", "--variants", "offload", "--n_layer", "1", "--n_head", "2",
            "--n_embd", "32", "--block_size", "16", "--vocab_size", "64", "--steps", "1"]
     # A new session: a hang kills the script and the torchrun it started.
-    proc = run_process(cmd, cwd=ROOT, env=worker_env(), timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    proc = run_process(cmd, cwd=ROOT, env=worker_env(), timeout=180, merge_stderr=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ddp | offload |")]
     assert len(rows) == 1, proc.stdout
     step_s, tokens_per_s, peak_mib, loss = (cell.strip() for cell in rows[0].split("|")[3:7])
