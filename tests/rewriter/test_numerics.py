@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two subprocesses, DeepSpeed's import and both models' runs
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
