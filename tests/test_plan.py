@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 import annot
-from examples.gpt.model import Block
 from annot.policies import (
     Action,
     Plan,
@@ -19,6 +18,7 @@ from annot.policies import (
     make_plan,
     no_split_modules,
 )
+from examples.gpt.model import Block
 
 BLOCKS = ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
 

@@ -7,7 +7,6 @@ import re
 import pytest
 from torch import nn
 
-from examples.gpt.model import Block
 from annot.policies import (
     by_class,
     by_name,
@@ -20,6 +19,7 @@ from annot.policies import (
 )
 from annot.policies.model_index import ModelIndex
 from annot.policies.parse import PolicySyntaxError, parse_count
+from examples.gpt.model import Block
 
 BLOCKS = ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import annot
+from annot.policies import Policy, by_class, every_nth
 from annot.runtime.activation_checkpoint import (
     apply_checkpointing,
     checkpoint_module,
     checkpointed_paths,
     is_checkpointed,
 )
-from annot.policies import Policy, by_class, every_nth
 from examples.gpt.model import GPT
 from tests.engines.small_gpt import N_LAYER, RecomputeCounter, gpt, tokens
 

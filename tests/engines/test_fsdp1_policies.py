@@ -7,8 +7,8 @@ import torch
 from torch.distributed.fsdp.wrap import _Policy
 
 import annot
-from examples.gpt.model import GPT, Block
 from annot.policies import Policy, by_class, by_name, every_nth
+from examples.gpt.model import GPT, Block
 
 
 def selected(policy: _Policy, model: torch.nn.Module) -> list[str]:

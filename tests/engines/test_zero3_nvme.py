@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import annot
-from annot.meta.deferred import DeferredInitError
 from annot.engines.deepspeed import _params_swapped_to_nvme
+from annot.meta.deferred import DeferredInitError
 from annot.meta.materialization import flat_parts
 from examples.gpt.model import GPT
 
