@@ -28,31 +28,49 @@ def saved_models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture(scope="session")
-def hf_runs(tmp_path_factory, saved_models) -> dict[str, dict]:
-    """One launch for both engines: the whole matrix trained on 2 ranks with FSDP2, plus
-    2-rank from_pretrained; then the same with DeepSpeed ZeRO-3 (one from_pretrained),
-    where DeepSpeed is installed."""
-    runs = {"fsdp2": [saved_models[n] for n in PRETRAINED_DISTRIBUTED]}
-    if importlib.util.find_spec("deepspeed") is not None:
-        runs["deepspeed"] = [saved_models["llama"]]
-    out = tmp_path_factory.mktemp("hf-runs") / "results.pt"
+ENGINE_FIXTURES = {"fsdp2": "fsdp2_run", "deepspeed": "zero3_run"}
+
+
+def _launch(engines: list[str], tmp_path_factory, saved_models) -> dict[str, dict]:
+    """One launch for the engines in turn: the whole matrix trained on 2 ranks, and
+    from_pretrained on 2 ranks (FSDP2: four architectures; ZeRO-3: llama)."""
+    pretrained = {"fsdp2": [saved_models[n] for n in PRETRAINED_DISTRIBUTED],
+                  "deepspeed": [saved_models["llama"]]}
+    out = tmp_path_factory.mktemp("hf-" + "-".join(engines)) / "results.pt"
     args = [str(out)]
-    for engine, pretrained in runs.items():
-        args += ["--engine", engine, *ARCHS, "--pretrained", *map(str, pretrained)]
-    result = torchrun(WORKER, *args, timeout=LAUNCH_TIMEOUT_S * len(runs))
+    for engine in engines:
+        args += ["--engine", engine, *ARCHS, "--pretrained", *map(str, pretrained[engine])]
+    result = torchrun(WORKER, *args, timeout=LAUNCH_TIMEOUT_S * len(engines))
     assert result.returncode == 0, result.stdout[-6000:]
     return torch.load(out, weights_only=False)
 
 
 @pytest.fixture(scope="session")
-def fsdp2_run(hf_runs) -> dict:
-    """The whole matrix trained with FSDP2 on 2 ranks, plus 2-rank from_pretrained."""
-    return hf_runs["fsdp2"]
+def hf_runs(request, tmp_path_factory, saved_models) -> dict[str, dict]:
+    """The runs of the engines the session's selected tests read (DeepSpeed only where
+    installed), FSDP2 first, all in one launch; an engine not launched then is launched
+    on its own when asked for (see `_engine_run`)."""
+    used = {name for item in request.session.items for name in item.fixturenames}
+    engines = [e for e, fixture in ENGINE_FIXTURES.items() if fixture in used]
+    if importlib.util.find_spec("deepspeed") is None and "deepspeed" in engines:
+        engines.remove("deepspeed")
+    return _launch(engines, tmp_path_factory, saved_models) if engines else {}
+
+
+def _engine_run(engine: str, hf_runs: dict, tmp_path_factory, saved_models) -> dict:
+    if engine not in hf_runs:
+        hf_runs.update(_launch([engine], tmp_path_factory, saved_models))
+    return hf_runs[engine]
 
 
 @pytest.fixture(scope="session")
-def zero3_run(hf_runs) -> dict:
+def fsdp2_run(hf_runs, tmp_path_factory, saved_models) -> dict:
+    """The whole matrix trained with FSDP2 on 2 ranks, plus 2-rank from_pretrained."""
+    return _engine_run("fsdp2", hf_runs, tmp_path_factory, saved_models)
+
+
+@pytest.fixture(scope="session")
+def zero3_run(hf_runs, tmp_path_factory, saved_models) -> dict:
     """The whole matrix trained with DeepSpeed ZeRO-3 on 2 ranks, plus one from_pretrained."""
     pytest.importorskip("deepspeed")
-    return hf_runs["deepspeed"]
+    return _engine_run("deepspeed", hf_runs, tmp_path_factory, saved_models)
