@@ -1,16 +1,14 @@
-"""Shared fixtures: the example GPT on the meta device, small HF configs."""
+"""Shared fixtures: the example GPT on the meta device, small HF configs.
+
+``tests`` is a package, so pytest puts the repository root on ``sys.path`` and tests
+import ``examples.…`` and shared helpers (``tests.distributed``, ``tests.engines.harness``,
+...) absolutely. Fixtures live in conftest files; constants and helpers never do (a
+conftest is not imported as a module)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # so tests can import examples.gpt.model
 
 
 @pytest.fixture

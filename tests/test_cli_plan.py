@@ -129,6 +129,7 @@ def test_usage_error_exits_2(capsys):
     assert info.value.code == 2
 
 
+@pytest.mark.slow
 def test_console_script_runs_without_a_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "annot.cli", "plan", f"{tmp_path}/nope.py:X"],

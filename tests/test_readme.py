@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,6 +24,7 @@ def test_readme_starts_with_the_two_commands():
     assert "pytest" in commands[1]
 
 
+@pytest.mark.slow
 def test_readme_python_blocks_run(tmp_path):
     blocks = python_blocks((ROOT / "README.md").read_text())
     assert len(blocks) >= 4

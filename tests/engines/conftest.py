@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from engine_harness import free_port
+
+from tests.distributed import free_port
 
 
 @pytest.fixture

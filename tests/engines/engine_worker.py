@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc_per_node 2 engine_worker.py OUT NAME [NAME ...]
 
-For each scenario (see `engine_harness.SCENARIOS`) it builds the example GPT, wraps it
+For each scenario (see `tests.engines.harness.SCENARIOS`) it builds the example GPT, wraps it
 with `annot.auto_wrap`, builds the optimizer, trains on this rank's slice of each batch,
 and records (rank 0 writes OUT with torch.save): the global loss per step, the full
 parameters afterwards, the parameter and state_dict names after wrapping, whether the
@@ -14,16 +14,16 @@ the modules DeepSpeed treats as ZeRO-3 leaves.
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 import torch.distributed as dist
-from engine_harness import SCENARIOS, batches, make_model, make_optimizer, rank_slice
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.tensor import DTensor
 
 import annot
 from annot.runtime.activation_offload import activation_offloader
+from tests.distributed import worker_main
+from tests.engines.harness import SCENARIOS, batches, make_model, make_optimizer, rank_slice
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -136,17 +136,9 @@ def run(name: str) -> dict:
     }
 
 
-def main() -> None:
-    out, names = sys.argv[1], sys.argv[2:]
-    dist.init_process_group("gloo")
-    try:
-        results = {name: run(name) for name in names}
-        if dist.get_rank() == 0:
-            torch.save(results, out)
-        dist.barrier()  # no rank tears gloo down while another is still in a collective
-    finally:
-        dist.destroy_process_group()
+def run_all(*names: str) -> dict[str, dict]:
+    return {name: run(name) for name in names}
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(run_all)

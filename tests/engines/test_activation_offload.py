@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_activation_checkpoint import N_LAYER, RecomputeCounter, gpt, tokens
 from torch.autograd.graph import saved_tensors_hooks
 
 import annot
@@ -18,6 +17,7 @@ from annot.runtime.activation_offload import (
     offloaded_activation_paths,
 )
 from examples.gpt.model import GPT
+from tests.engines.small_gpt import N_LAYER, RecomputeCounter, gpt, tokens
 
 BLOCKS = [f"transformer.h.{i}" for i in range(N_LAYER)]
 

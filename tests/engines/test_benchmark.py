@@ -3,11 +3,11 @@ prints a filled row (no timings asserted: those are for comparing, not testing).
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
-from engine_harness import ROOT
+
+from tests.distributed import ROOT, run_process, worker_env
 
 pytestmark = pytest.mark.distributed
 
@@ -16,7 +16,8 @@ def test_the_table_driver_prints_a_filled_row_for_ddp_with_activation_offload():
     cmd = [sys.executable, "examples/benchmark.py", "--table", "--nproc", "1",
            "--strategies", "ddp", "--variants", "offload", "--n_layer", "1", "--n_head", "2",
            "--n_embd", "32", "--block_size", "16", "--vocab_size", "64", "--steps", "1"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    # A new session: a hang kills the script and the torchrun it started.
+    proc = run_process(cmd, cwd=ROOT, env=worker_env(), timeout=180, merge_stderr=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ddp | offload |")]
     assert len(rows) == 1, proc.stdout

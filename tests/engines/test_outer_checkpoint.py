@@ -8,12 +8,12 @@ import warnings
 
 import pytest
 import torch
-from test_activation_checkpoint import N_LAYER, RecomputeCounter, gpt
 from torch.utils.checkpoint import checkpoint
 
 import annot
 from annot.runtime.activation_checkpoint import apply_checkpointing, has_outer_checkpoint
 from examples.gpt.model import GPT
+from tests.engines.small_gpt import N_LAYER, RecomputeCounter, gpt
 
 BLOCKS = [f"transformer.h.{i}" for i in range(N_LAYER)]
 

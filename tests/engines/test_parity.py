@@ -8,9 +8,14 @@ test then checks one behaviour of one scenario. The reference runs in this proce
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
-from engine_harness import (
+
+from tests.distributed import torchrun
+from tests.engines.harness import (
     BATCH_PER_RANK,
     CONFIG,
     SCENARIOS,
@@ -18,7 +23,6 @@ from engine_harness import (
     TOLERANCE,
     WORKER,
     reference,
-    torchrun,
 )
 
 pytestmark = pytest.mark.distributed
@@ -31,34 +35,51 @@ def family(scenario: str) -> str:
 
 
 class Results:
-    """Scenario results, launched per family on first use: torch engines in one torchrun,
-    DeepSpeed in another (an optional dependency; its first run on a machine also
-    compiles DeepSpeed's shared-memory op, which takes minutes on 2 cores)."""
+    """Scenario results, launched on first use: one torchrun runs every scenario of the
+    families the session's selected parity tests need, the torch engines' first, then
+    DeepSpeed's (an optional dependency; its first run on a machine also compiles
+    DeepSpeed's shared-memory op, which takes minutes on 2 cores). A family no selected
+    test needed at first is launched on its own if asked for later."""
 
-    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, wanted: set[str]) -> None:
         self.tmp = tmp_path_factory
-        self.done: dict[str, dict[str, dict]] = {}
+        self.wanted = wanted
+        self.done: dict[str, dict] = {}
 
     def __getitem__(self, scenario: str) -> dict:
-        name = family(scenario)
-        if name not in self.done:
-            if name == "deepspeed":
-                pytest.importorskip("deepspeed")
-            out = self.tmp.mktemp(name) / "results.pt"
-            scenarios = [s for s in SCENARIOS if family(s) == name]
-            timeout = 600 if name == "deepspeed" else 180
+        if family(scenario) == "deepspeed":
+            pytest.importorskip("deepspeed")
+        if scenario not in self.done:
+            families = {family(scenario)} | self.wanted
+            if importlib.util.find_spec("deepspeed") is None:
+                families.discard("deepspeed")
+            # SCENARIOS' order: the torch engines first, then DeepSpeed's checkpointed
+            # ZeRO-3 before any other deepspeed.initialize in the process.
+            scenarios = [s for s in SCENARIOS if family(s) in families and s not in self.done]
+            out = self.tmp.mktemp("parity") / "results.pt"
+            timeout = 180 + (600 if "deepspeed" in families else 0)
             proc = torchrun(WORKER, str(out), *scenarios, timeout=timeout)
             assert proc.returncode == 0, proc.stdout[-6000:]
-            self.done[name] = torch.load(out)
-        return self.done[name][scenario]
+            self.done.update(torch.load(out))
+        return self.done[scenario]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> Results:
-    return Results(tmp_path_factory)
+def _families_selected(session: pytest.Session) -> set[str]:
+    """The scenario families the selected tests of this module read."""
+    families = set()
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.path == Path(__file__).resolve():
+            families |= {family(v) for v in params.values() if v in SCENARIOS}
+    return families
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
+def results(request, tmp_path_factory) -> Results:
+    return Results(tmp_path_factory, _families_selected(request.session))
+
+
+@pytest.fixture(scope="session")
 def ref() -> tuple[list[float], dict[str, torch.Tensor]]:
     return reference()
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from engine_harness import ROOT, torchrun
+
+from tests.distributed import ROOT, torchrun
 
 pytestmark = pytest.mark.distributed
 

@@ -4,11 +4,11 @@ The 2-rank training run with leaves is the ``zero3-leaf-checkpoint`` parity scen
 from __future__ import annotations
 
 import pytest
-from test_activation_checkpoint import N_LAYER, gpt
 
 import annot
 from annot.engines.deepspeed import apply_deepspeed, set_leaf_modules
 from examples.gpt.model import MLP
+from tests.engines.small_gpt import N_LAYER, gpt
 
 pytest.importorskip("deepspeed")
 from deepspeed.utils import get_z3_leaf_modules  # noqa: E402

@@ -1,8 +1,8 @@
 """The architecture matrix: a tiny config for each transformers family, its head, the
 layer class its plan must pick, and a batch for its loss.
 
-Shared by the tests (single process: plans, references, from_pretrained logits) and by
-``hf_worker.py`` (under torchrun). Sizes are tiny so the whole matrix trains in seconds
+Shared by the tests (single process: plans, references, from_pretrained logits), their
+fixtures (conftest.py) and ``hf_worker.py`` (under torchrun). Sizes are tiny so the whole matrix trains in seconds
 on CPU; every dropout is 0 so a model in training mode (where checkpointing runs) is
 deterministic.
 """
@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from tests.reference import train_reference
+
 VOCAB = 128
 SEQ = 8
 STEPS = 3
@@ -23,6 +25,10 @@ ROWS_PER_RANK = 2
 SEED = 0
 # fp32 everywhere; what is left is the order of float additions in gradient reductions.
 TOLERANCE = 1e-5
+# 2-rank from_pretrained checks: one with tied embeddings (gemma), one without (llama),
+# one whose file names differ from the model's (gpt_neox), an encoder-decoder (t5).
+PRETRAINED_DISTRIBUTED = ("llama", "gemma", "gpt_neox", "t5")
+LAUNCH_TIMEOUT_S = 420
 
 _DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4)
@@ -124,15 +130,8 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 
 def reference_losses(name: str) -> list[float]:
     """The unwrapped model trained in one process on the union of the ranks' rows."""
-    model = ARCHS[name].build()
-    opt = make_optimizer(model.parameters())
-    losses = []
-    for batch in batches(name):
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, _ = train_reference(ARCHS[name].build, batches(name), make_optimizer,
+                                lambda model, batch: model(**batch).loss)
     return losses
 
 

@@ -1,28 +1,37 @@
 """Run under torchrun by the HuggingFace tests (2 CPU ranks, gloo).
 
-    python -m torch.distributed.run --nproc_per_node 2 hf_worker.py OUT ENGINE ARCH [ARCH ...]
-        [--pretrained DIR ...]
+    python -m torch.distributed.run --nproc_per_node 2 hf_worker.py OUT
+        --engine ENGINE ARCH [ARCH ...] [--pretrained DIR ...]
+        [--engine ENGINE ARCH [ARCH ...] [--pretrained DIR ...]] ...
 
-For each architecture (see `hf_archs.ARCHS`): build the model from the shared seed, wrap
-it with ``annot.auto_wrap(model, ENGINE, checkpoint=True)``, train 3 steps on this
-rank's rows, and record the global loss per step and how many module forwards ran
-during backward (recomputation). For each ``--pretrained`` directory (named
-``<arch>``): ``annot.from_pretrained(DIR, ENGINE)`` and the logits of a probe batch.
-One architecture's failure is recorded (with its traceback) and the others still run.
-Rank 0 writes OUT with torch.save.
+For each ``--engine`` group in turn, for each architecture (see
+`tests.huggingface.hf_archs.ARCHS`): build the model from the shared seed, wrap it with
+``annot.auto_wrap(model, ENGINE, checkpoint=True)``, train 3 steps on this rank's rows,
+and record the global loss per step and how many module forwards ran during backward
+(recomputation). For each ``--pretrained`` directory (named ``<arch>``):
+``annot.from_pretrained(DIR, ENGINE)`` and the logits of a probe batch. One
+architecture's failure is recorded (with its traceback) and the others still run.
+Rank 0 writes OUT with torch.save: ``{ENGINE: {"train": ..., "pretrained": ...}}``.
 """
 
 from __future__ import annotations
 
-import sys
 import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hf_archs import ARCHS, batches, count_recomputation, make_optimizer, probe_inputs, rank_rows
 
 import annot
+from tests.distributed import worker_main
+from tests.huggingface.hf_archs import (
+    ARCHS,
+    batches,
+    count_recomputation,
+    make_optimizer,
+    probe_inputs,
+    rank_rows,
+)
 
 
 def train(name: str, engine: str) -> dict:
@@ -92,20 +101,19 @@ def guarded(fn, *args) -> dict:
         return {"error": traceback.format_exc()}
 
 
-def main() -> None:
-    out, engine, *rest = sys.argv[1:]
+def run_engine(engine: str, *rest: str) -> dict:
     names = rest[:rest.index("--pretrained")] if "--pretrained" in rest else rest
     dirs = [Path(d) for d in rest[rest.index("--pretrained") + 1:]] if "--pretrained" in rest else []
-    dist.init_process_group("gloo")
-    try:
-        results = {"train": {n: guarded(train, n, engine) for n in names},
-                   "pretrained": {d.name: guarded(pretrained, d, engine) for d in dirs}}
-        if dist.get_rank() == 0:
-            torch.save(results, out)
-        dist.barrier()  # no rank tears gloo down while another is still in a collective
-    finally:
-        dist.destroy_process_group()
+    return {"train": {n: guarded(train, n, engine) for n in names},
+            "pretrained": {d.name: guarded(pretrained, d, engine) for d in dirs}}
+
+
+def run(*argv: str) -> dict[str, dict]:
+    starts = [i for i, arg in enumerate(argv) if arg == "--engine"]
+    assert starts and starts[0] == 0, f"expected --engine ENGINE ..., got {argv}"
+    groups = [argv[i + 1:j] for i, j in zip(starts, [*starts[1:], len(argv)], strict=True)]
+    return {group[0]: run_engine(*group) for group in groups}
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(run)

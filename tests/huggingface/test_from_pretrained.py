@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
-from conftest import PRETRAINED_DISTRIBUTED
-from hf_archs import ARCHS, TOLERANCE, probe_inputs
 
 import annot
+from tests.huggingface.hf_archs import ARCHS, PRETRAINED_DISTRIBUTED, TOLERANCE, probe_inputs
 
 
 def transformers_logits(name: str, directory, **options) -> torch.Tensor:

@@ -4,7 +4,8 @@ FSDP2 and with DeepSpeed ZeRO-3, match the unwrapped model trained in one proces
 from __future__ import annotations
 
 import pytest
-from hf_archs import ARCHS, LAYER_COUNT, STEPS, TOLERANCE, reference_losses
+
+from tests.huggingface.hf_archs import ARCHS, LAYER_COUNT, STEPS, TOLERANCE, reference_losses
 
 pytestmark = pytest.mark.distributed
 

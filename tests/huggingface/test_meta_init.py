@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_archs import ARCHS, SEED
 
 import annot
+from tests.huggingface.hf_archs import ARCHS, SEED
 
 
 def _everything(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_archs import ARCHS, LAYER_COUNT
 
 import annot
 from annot.policies import Policy, no_split_modules
+from tests.huggingface.hf_archs import ARCHS, LAYER_COUNT
 
 # Units besides the layers that an architecture's _no_split_modules names on purpose.
 EXTRA_UNITS = {"bert": {"BertEmbeddings"}, "vit": {"ViTEmbeddings"}}

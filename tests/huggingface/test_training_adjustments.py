@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 import torch
-from hf_archs import ARCHS
 
 from annot.huggingface.model import is_pretrained_model, prepare_for_training
+from tests.huggingface.hf_archs import ARCHS
 
 
 def _hf_checkpointing(model) -> bool:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from tests.reference import train_reference
+
 STEPS = 3
 LR = 0.1
 
@@ -28,11 +30,7 @@ def train(forward: Callable[[torch.Tensor], torch.Tensor], update: Callable[[tor
 
 
 def reference_losses(model: torch.nn.Module, vocab_size: int) -> list[float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-
-    def update(loss: torch.Tensor) -> None:
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return train(lambda idx: model(idx, idx)[1], update, vocab_size)
+    losses, _ = train_reference(lambda: model, [batch(vocab_size)] * STEPS,
+                                lambda params: torch.optim.SGD(params, lr=LR),
+                                lambda model, idx: model(idx, idx)[1])
+    return losses

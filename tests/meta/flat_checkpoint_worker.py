@@ -1,30 +1,36 @@
 """Run by test_checkpoint_io_distributed.py under torchrun: build the example GPT under
 meta_init and let `auto_wrap(engine, load_from=checkpoint)` allocate it unit by unit
 (FSDP1, or DeepSpeed ZeRO-3) and load it, each rank reading the rows its shards cover.
-Saves from rank 0 the gathered full parameters, buffers and each rank's bytes read."""
+Saves from rank 0 the gathered full parameters, buffers and each rank's bytes read.
+
+    torchrun ... flat_checkpoint_worker.py OUT SOURCE ENGINE [ENGINE ...]   (fsdp1, zero3)
+
+Each engine in turn, in one launch; OUT holds one such record per engine."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import annot  # noqa: E402
-import annot.checkpoint_io.loading  # noqa: E402
-from examples.gpt.model import GPT  # noqa: E402
+import annot
+import annot.checkpoint_io.loading
+from examples.gpt.model import GPT
+from tests.distributed import worker_main
 
 SHAPE = dict(n_layer=3, n_embd=48, n_head=4, vocab_size=101, block_size=32)
 
 
-def main(engine: str, source: str, out: str) -> None:
-    dist.init_process_group("gloo")
+def run_one(engine: str, source: str) -> dict:
     reports = []
     load = annot.checkpoint_io.loading.load
     annot.checkpoint_io.loading.load = lambda *a, **k: reports.append(load(*a, **k)) or reports[-1]
+    try:
+        return loaded(engine, source, reports)
+    finally:
+        annot.checkpoint_io.loading.load = load
+
+
+def loaded(engine: str, source: str, reports: list) -> dict:
     with annot.meta_init():
         model = GPT(**SHAPE)
     if engine == "fsdp1":
@@ -48,11 +54,12 @@ def main(engine: str, source: str, out: str) -> None:
     assert len(reports) == 1 and not reports[0].missing and not reports[0].unexpected, reports
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, reports[0].bytes_read)
-    if dist.get_rank() == 0:
-        torch.save({"params": full, "buffers": buffers, "bytes_read": gathered}, out)
-    dist.barrier()  # no rank tears down while another is still in a collective
-    dist.destroy_process_group()
+    return {"params": full, "buffers": buffers, "bytes_read": gathered}
+
+
+def run(source: str, *engines: str) -> dict[str, dict]:
+    return {engine: run_one(engine, source) for engine in engines}
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    worker_main(run)

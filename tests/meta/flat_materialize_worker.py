@@ -2,26 +2,25 @@
 meta_init and let `auto_wrap` with an engine that shards flattened parameters (``fsdp1``,
 or ``zero3``: DeepSpeed ZeRO-3) allocate it unit by unit and materialize it. Saves from
 rank 0 the full parameters (gathered), buffers, each rank's local element count, the
-allocation peak, and the losses of three training steps, for the test to compare."""
+allocation peak, and the losses of three training steps, for the test to compare.
+
+    torchrun ... flat_materialize_worker.py OUT ENGINE [ENGINE ...]   (fsdp1, zero3)
+
+Each engine in turn, in one launch; OUT holds one such record per engine."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _training import LR, train  # noqa: E402
-
-import annot  # noqa: E402
-from annot.meta.unit_allocation import unit_allocation_peak  # noqa: E402
-from examples.gpt.model import GPT  # noqa: E402
+import annot
+from annot.meta.unit_allocation import unit_allocation_peak
+from examples.gpt.model import GPT
+from tests.distributed import worker_main
+from tests.meta._training import LR, train
 
 SHAPE = dict(n_layer=3, n_embd=48, n_head=4, vocab_size=101, block_size=32)
 Update = Callable[[torch.Tensor], None]  # backward and optimizer step for a loss
@@ -67,8 +66,7 @@ def zero3(model: nn.Module) -> tuple[nn.Module, dict, int, int | None, Update]:
     return engine, full, local, unit_allocation_peak(model), update
 
 
-def main(engine_name: str, out: str) -> None:
-    dist.init_process_group("gloo")
+def run_one(engine_name: str) -> dict:
     torch.manual_seed(7)
     with annot.meta_init():
         model = GPT(**SHAPE)
@@ -83,12 +81,13 @@ def main(engine_name: str, out: str) -> None:
     losses = train(lambda idx: wrapped(idx, idx)[1], update, SHAPE["vocab_size"])
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (local, peak))
-    if dist.get_rank() == 0:
-        torch.save({"params": full, "buffers": buffers, "local_numel": [g[0] for g in gathered],
-                    "alloc_peak": [g[1] for g in gathered], "losses": losses}, out)
-    dist.barrier()  # no rank tears down while another is still in a collective
-    dist.destroy_process_group()
+    return {"params": full, "buffers": buffers, "local_numel": [g[0] for g in gathered],
+            "alloc_peak": [g[1] for g in gathered], "losses": losses}
+
+
+def run(*engines: str) -> dict[str, dict]:
+    return {engine: run_one(engine) for engine in engines}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    worker_main(run)

@@ -1,11 +1,13 @@
 """Run by test_checkpoint_io_distributed.py under torchrun: load a safetensors checkpoint
 into an FSDP2-sharded meta_init GPT (each rank reading its own rows), save it back from
-the shards, and round-trip a torch distributed checkpoint."""
+the shards, and round-trip a torch distributed checkpoint.
+
+    torchrun ... fsdp2_checkpoint_worker.py OUT SOURCE DIR
+
+writes DIR/saved and DIR/dcp; OUT gets each rank's record (bytes read, round trip, ties)."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import torch
@@ -14,10 +16,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import annot  # noqa: E402
-from examples.gpt.model import GPT  # noqa: E402
+import annot
+from examples.gpt.model import GPT
+from tests.distributed import worker_main
 
 SHAPE = dict(n_layer=3, n_embd=48, n_head=4, vocab_size=101, block_size=32)
 
@@ -31,8 +32,7 @@ def sharded_meta_gpt(mesh):
     return model
 
 
-def main(source: str, out: str) -> None:
-    dist.init_process_group("gloo")
+def run(source: str, out: str) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     model = sharded_meta_gpt(mesh)
@@ -46,11 +46,8 @@ def main(source: str, out: str) -> None:
     results = [None] * world
     dist.all_gather_object(results, {"rank": rank, "bytes_read": report.bytes_read, "dcp_same": same,
                                      "tied": model.lm_head.weight is model.transformer.wte.weight})
-    if rank == 0:
-        (Path(out) / "results.json").write_text(json.dumps(results))
-    dist.barrier()  # no rank tears down while another is still in a collective
-    dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    worker_main(run)

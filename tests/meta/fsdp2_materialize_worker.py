@@ -1,27 +1,26 @@
 """Run by test_materialize_distributed.py under torchrun: build the example GPT under
 meta_init, shard it with FSDP2 on a CPU mesh, materialize, and save the full parameters
-(gathered) from rank 0 for the test to compare. Also records each rank's local bytes."""
+(gathered) from rank 0 for the test to compare. Also records each rank's local bytes.
+
+    torchrun ... fsdp2_materialize_worker.py OUT forward|reverse
+"""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import annot  # noqa: E402
-from examples.gpt.model import GPT  # noqa: E402
+import annot
+from examples.gpt.model import GPT
+from tests.distributed import worker_main
 
 SHAPE = dict(n_layer=3, n_embd=48, n_head=4, vocab_size=101, block_size=32)
 
 
-def main(out: str, reverse: bool) -> None:
-    dist.init_process_group("gloo")
+def run(order: str) -> dict:
+    reverse = order == "reverse"
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(7)
     with annot.meta_init():
@@ -37,11 +36,8 @@ def main(out: str, reverse: bool) -> None:
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     locals_ = [None] * dist.get_world_size()
     dist.all_gather_object(locals_, local)
-    if dist.get_rank() == 0:
-        torch.save({"params": full, "buffers": buffers, "local_numel": locals_}, out)
-    dist.barrier()  # no rank tears down while another is still in a collective
-    dist.destroy_process_group()
+    return {"params": full, "buffers": buffers, "local_numel": locals_}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], reverse=len(sys.argv) > 2 and sys.argv[2] == "reverse")
+    worker_main(run)

@@ -1,8 +1,9 @@
-"""Sharded load and save on 2 CPU ranks (FSDP2, gloo)."""
+"""Sharded load and save on 2 CPU ranks (FSDP2, gloo); loading while FSDP1 and ZeRO-3
+allocate unit by unit (one launch for both)."""
 
 from __future__ import annotations
 
-import json
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,7 @@ import torch
 
 import annot
 from examples.gpt.model import GPT
-
-from ._torchrun import run_torchrun
+from tests.distributed import torchrun
 
 WORKER = Path(__file__).with_name("fsdp2_checkpoint_worker.py")
 SHAPE = dict(n_layer=3, n_embd=48, n_head=4, vocab_size=101, block_size=32)
@@ -23,8 +23,8 @@ def test_each_rank_reads_its_half_and_saving_from_shards_gives_the_same_files(tm
     source = GPT(**SHAPE)
     annot.save(source, tmp_path / "source", max_shard_bytes=100_000)
     annot.save(source, tmp_path / "single", max_shard_bytes=100_000)  # the one-process save
-    run_torchrun(WORKER, 2, str(tmp_path / "source"), str(tmp_path))
-    results = json.loads((tmp_path / "results.json").read_text())
+    torchrun(WORKER, str(tmp_path / "results.pt"), str(tmp_path / "source"), str(tmp_path))
+    results = torch.load(tmp_path / "results.pt")
     total = sum(p.numel() * 4 for p in source.parameters())
     for r in results:
         # Half the rows of every tensor, give or take the rounding of odd row counts.
@@ -38,19 +38,31 @@ def test_each_rank_reads_its_half_and_saving_from_shards_gives_the_same_files(tm
 
 
 FLAT_WORKER = Path(__file__).with_name("flat_checkpoint_worker.py")
+FLAT_ENGINES = ("fsdp1", "zero3")
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("engine", ["fsdp1", "zero3"])
-def test_fsdp1_and_zero3_load_each_rank_reads_about_its_half(engine, tmp_path):
-    if engine == "zero3":
-        pytest.importorskip("deepspeed")
+@pytest.fixture(scope="module")
+def flat_loads(tmp_path_factory) -> tuple[GPT, dict[str, dict]]:
+    """The source model, and what each engine loaded from its files: one launch runs
+    every engine (ZeRO-3 only where DeepSpeed is installed)."""
+    tmp_path = tmp_path_factory.mktemp("flat_load")
     torch.manual_seed(11)
     source = GPT(**SHAPE)
     annot.save(source, tmp_path / "source", max_shard_bytes=100_000)
-    run_torchrun(FLAT_WORKER, 2, engine, str(tmp_path / "source"), str(tmp_path / "out.pt"),
-                 timeout=300)
-    got = torch.load(tmp_path / "out.pt")
+    engines = [e for e in FLAT_ENGINES
+               if e != "zero3" or importlib.util.find_spec("deepspeed") is not None]
+    torchrun(FLAT_WORKER, str(tmp_path / "out.pt"), str(tmp_path / "source"), *engines,
+             timeout=300 * len(engines))
+    return source, torch.load(tmp_path / "out.pt")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine", FLAT_ENGINES)
+def test_fsdp1_and_zero3_load_each_rank_reads_about_its_half(engine, flat_loads):
+    if engine == "zero3":
+        pytest.importorskip("deepspeed")
+    source, loads = flat_loads
+    got = loads[engine]
     for name, param in source.named_parameters():
         assert torch.equal(got["params"][name], param), name
     for name, buffer in source.named_buffers():  # the causal masks, recomputed

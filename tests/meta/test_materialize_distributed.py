@@ -1,19 +1,22 @@
 """Sharded materialization on 1, 2 and 4 CPU ranks (gloo). FSDP2 shards a meta model and
 then fills the shards; FSDP1 and DeepSpeed ZeRO-3 get it allocated one unit at a time.
 Either way every rank holds about its share, and the full parameters are bitwise those of
-eager construction."""
+eager construction.
+
+Launches: FSDP2 once per rank count; FSDP1 and ZeRO-3 together, once per rank count
+(`flat_runs`)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 from examples.gpt.model import GPT
-
-from ._torchrun import run_torchrun
-from ._training import reference_losses
+from tests.distributed import torchrun
+from tests.meta._training import reference_losses
 
 FSDP2_WORKER = Path(__file__).with_name("fsdp2_materialize_worker.py")
 FLAT_WORKER = Path(__file__).with_name("flat_materialize_worker.py")
@@ -39,7 +42,7 @@ def _eager_and_checked(got: dict, ranks: int) -> GPT:
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_fsdp2_world_size_invariant_and_equal_to_eager(ranks, tmp_path):
     out = tmp_path / f"ranks{ranks}.pt"
-    run_torchrun(FSDP2_WORKER, ranks, str(out), "reverse" if ranks == 4 else "forward")
+    torchrun(FSDP2_WORKER, str(out), "reverse" if ranks == 4 else "forward", nproc=ranks)
     _eager_and_checked(torch.load(out), ranks)
 
 
@@ -47,15 +50,39 @@ def _nbytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
+FLAT_ENGINES = ("fsdp1", "zero3")
+
+
+class FlatRuns:
+    """`flat_materialize_worker` results by (engine, ranks): on first use for a rank count,
+    one launch runs every engine (ZeRO-3 only where DeepSpeed is installed)."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tmp = tmp_path_factory
+        self.done: dict[int, dict[str, dict]] = {}
+
+    def get(self, engine: str, ranks: int) -> dict:
+        if ranks not in self.done:
+            engines = [e for e in FLAT_ENGINES
+                       if e != "zero3" or importlib.util.find_spec("deepspeed") is not None]
+            out = self.tmp.mktemp(f"flat_ranks{ranks}") / "results.pt"
+            torchrun(FLAT_WORKER, str(out), *engines, nproc=ranks, timeout=300 * len(engines))
+            self.done[ranks] = torch.load(out)
+        return self.done[ranks][engine]
+
+
+@pytest.fixture(scope="module")
+def flat_runs(tmp_path_factory) -> FlatRuns:
+    return FlatRuns(tmp_path_factory)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("engine", ["fsdp1", "zero3"])
-def test_allocated_unit_by_unit_equal_to_eager_and_trains(engine, ranks, tmp_path):
+@pytest.mark.parametrize("engine", FLAT_ENGINES)
+def test_allocated_unit_by_unit_equal_to_eager_and_trains(engine, ranks, flat_runs):
     if engine == "zero3":
         pytest.importorskip("deepspeed")
-    out = tmp_path / f"{engine}_ranks{ranks}.pt"
-    run_torchrun(FLAT_WORKER, ranks, engine, str(out), timeout=300)
-    got = torch.load(out)
+    got = flat_runs.get(engine, ranks)
     eager = _eager_and_checked(got, ranks)
     # Full tensors alive at once while the engine shards: one block plus the tied
     # embedding (kept until the root unit takes it), never the whole model.

@@ -1,6 +1,7 @@
 """Run original and rewritten models side by side; print what the tests assert on, as JSON.
 
-Run as a script (``python numerics_check.py --target deepspeed``) so that DeepSpeed's
+Run as a module from the repository root (``python -m tests.rewriter.numerics_check
+--target deepspeed``) so that DeepSpeed's
 module-level state and its slow import stay out of the pytest process.
 For each model: the largest loss and gradient differences in training, the state_dict
 keys, and how many checkpoint calls one forward makes in train mode, eval mode and
@@ -20,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from annot.rewriter import marked_classes, rewrite_source
 
-from annot.rewriter import marked_classes, rewrite_source  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 # Call shapes the two real models do not have: a 1-tuple result indexed later or at once,
 # keyword tensors named like torch checkpoint's own options, tuple targets, a Sequential.

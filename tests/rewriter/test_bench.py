@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_bench_rewrite_prints_its_table_and_counts():
     pytest.importorskip("transformers")
     result = subprocess.run(

@@ -12,6 +12,7 @@ import pytest
 
 from annot.rewriter.cli import main
 
+ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
 SRC = (GOLDEN / "loop_positional.py").read_text(encoding="utf-8")
 
@@ -153,7 +154,8 @@ def test_help_is_fast_and_imports_no_torch() -> None:
         "assert 'torch' not in sys.modules and 'libcst' not in sys.modules, sorted(sys.modules)\n"
         "print(time.perf_counter() - t, file=sys.stderr)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          check=True)
     assert float(proc.stderr.strip().splitlines()[-1]) < 0.5
 
 

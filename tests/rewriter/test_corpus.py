@@ -11,6 +11,9 @@ import pytest
 
 from annot.rewriter import rewrite_source, undo_source
 
+# About a second a file, 40 files: together too long for the fast lane.
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 FILES = sorted(Path(transformers.__file__).parent.glob("models/*/modeling_*.py"))
 # Every 20th file of at most 60 kB: the shapes vary across models, the size adds only time.

@@ -16,10 +16,13 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two subprocesses, DeepSpeed's import and both models' runs
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).parent / "numerics_check.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = "tests.rewriter.numerics_check"
 MODELS = ["gpt", "llama", "shapes"]
 TARGETS = ["deepspeed", "torch"]
 _RUNS: dict[str, subprocess.Popen[str]] = {}
@@ -33,7 +36,8 @@ def _results(target: str) -> dict[str, dict[str, object]]:
     if not _RUNS:
         for t in TARGETS:
             _RUNS[t] = subprocess.Popen(
-                [sys.executable, str(SCRIPT), "--target", t],
+                [sys.executable, "-m", SCRIPT, "--target", t],
+                cwd=ROOT,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -1,5 +1,5 @@
-"""Shared by the engine tests and the worker they launch: the model, the data, the
-optimizer, the single-process reference, and a torchrun launcher with a timeout.
+"""Shared by the engine tests and the worker they launch: the scenarios, the model, the
+data, the optimizer and the single-process reference.
 
 The worker (``engine_worker.py``, run by torchrun) and the reference (run in the pytest
 process) build the model from the same seed and see the same batches: each rank gets
@@ -10,26 +10,21 @@ gradients, so losses and parameters must agree up to float rounding.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.distributed import WORLD_SIZE
+from tests.reference import train_reference
+
 WORKER = Path(__file__).with_name("engine_worker.py")
 
 CONFIG = dict(n_layer=3, n_head=2, n_embd=32, vocab_size=64, block_size=16)
-WORLD_SIZE = 2
 BATCH_PER_RANK = 2
 STEPS = 3
 # fp32 everywhere; the only differences left are the order of float additions in the
 # gradient reduction, far below this.
 TOLERANCE = 1e-5
-LAUNCH_TIMEOUT_S = 180
 
 # name -> auto_wrap keyword arguments. checkpoint=None means "as the Plan says": the
 # example GPT's blocks are marked @shard_block(checkpoint=True).
@@ -83,41 +78,6 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final parameters of the bare model trained in one process."""
-    model = make_model()
-    opt = make_optimizer(model.parameters())
-    losses = []
-    for idx, targets in batches():
-        _, loss = model(idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, model = train_reference(make_model, batches(), make_optimizer,
+                                    lambda model, batch: model(*batch)[1])
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun(script: Path | str, *args: str, nproc: int = WORLD_SIZE,
-             timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run ``script`` under torchrun on a free port; a hang past ``timeout`` kills the
-    whole process group and raises ``TimeoutError`` with the output so far."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args,
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    # A new session, so a timeout can kill torchrun and the workers it started together.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise TimeoutError(f"{' '.join(cmd)} ran past {timeout}s:\n{out}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
