@@ -73,17 +73,9 @@ def run(name: str) -> dict:
     bare_names = [n for n, _ in model.named_parameters()]
     bare_keys = list(model.state_dict())
 
-    if engine == "deepspeed":
-        wrapped = annot.auto_wrap(model, engine, optimizer=make_optimizer, **options)
-        backward, step = wrapped.backward, wrapped.step  # DeepSpeed's loop
-    else:
-        wrapped = annot.auto_wrap(model, engine, **options)
-        opt = make_optimizer(wrapped.parameters())
-        backward = torch.Tensor.backward
-
-        def step() -> None:
-            opt.step()
-            opt.zero_grad()
+    # One training surface for every engine (annot.Trainable).
+    trainer = annot.auto_wrap(model, engine, optimizer=make_optimizer, **options)
+    wrapped = trainer.module
 
     groups = fsdp_groups(wrapped)
 
@@ -104,9 +96,10 @@ def run(name: str) -> dict:
     for idx, targets in batches():
         _, loss = wrapped(rank_slice(idx, rank), rank_slice(targets, rank))
         in_backward = True
-        backward(loss)
+        trainer.backward(loss)
         in_backward = False
-        step()
+        trainer.step()
+        trainer.zero_grad()
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())

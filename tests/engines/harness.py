@@ -40,13 +40,13 @@ SCENARIOS: dict[str, dict] = {
     # Activation offload (saved tensors copied to the host and back) on every block.
     "ddp-offload-activations": dict(engine="ddp", checkpoint=False, offload_activations=True),
     "fsdp2-offload-activations": dict(engine="fsdp2", checkpoint=False, offload_activations=True),
-    # DeepSpeed: reshard_after_forward picks ZeRO-3 (True) or ZeRO-2 (False). A
+    # DeepSpeed: ZeRO-3 unless stage=2. A
     # checkpointed one first: DeepSpeed's checkpointing must be configured in a process
     # where no earlier deepspeed.initialize has set DeepSpeed's backend up.
     "zero3-checkpoint": dict(engine="deepspeed", checkpoint=None),
     "zero3": dict(engine="deepspeed", checkpoint=False),
-    "zero2": dict(engine="deepspeed", checkpoint=False, reshard_after_forward=False),
-    "zero2-checkpoint": dict(engine="deepspeed", checkpoint=None, reshard_after_forward=False),
+    "zero2": dict(engine="deepspeed", checkpoint=False, stage=2),
+    "zero2-checkpoint": dict(engine="deepspeed", checkpoint=None, stage=2),
     "zero3-offload-checkpoint": dict(engine="deepspeed", checkpoint=None, offload=True),
     # Every block's MLP a ZeRO-3 leaf (gathered whole on entry), by class name.
     "zero3-leaf-checkpoint": dict(engine="deepspeed", checkpoint=None, leaf_modules=["MLP"]),

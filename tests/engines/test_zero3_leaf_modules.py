@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import annot
-from annot.engines.deepspeed import apply_deepspeed, set_leaf_modules
+from annot.engines.deepspeed import DeepSpeed, DeepSpeedOptions, set_leaf_modules
 from examples.gpt.model import MLP
 from tests.engines.small_gpt import N_LAYER, gpt
 
@@ -36,6 +36,7 @@ def test_selecting_nothing_is_an_error(leaf_modules):
 
 
 def test_leaf_modules_outside_zero3_are_refused_before_deepspeed_starts():
-    config = annot.deepspeed_config(gpt(), stage=2)
+    model = gpt()
+    options = DeepSpeedOptions(stage=2, leaf_modules=[MLP])
     with pytest.raises(ValueError, match="ZeRO-3 setting.*stage is 2"):
-        apply_deepspeed(gpt(), checkpoint_paths=[], config=config, optimizer=None, leaf_modules=[MLP])
+        DeepSpeed().check(model, annot.plan(model), options)  # auto_wrap's check step

@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 import annot
-from annot.engines.deepspeed import _params_swapped_to_nvme
+from annot.engines.deepspeed import _params_swapped_to_nvme, shard_layout
 from annot.meta.deferred import DeferredInitError
-from annot.meta.materialization import flat_parts
 from examples.gpt.model import GPT
 
 
@@ -34,4 +33,4 @@ def test_a_partition_swapped_to_nvme_is_never_filled_in_place():
         param.ds_tensor = torch.empty(0)
         param.ds_tensor.final_location = "nvme"
     with pytest.raises(DeferredInitError, match="swapped out to NVMe.*before deepspeed.initialize"):
-        flat_parts(layer)
+        shard_layout(layer)

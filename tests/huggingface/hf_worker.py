@@ -38,26 +38,17 @@ def train(name: str, engine: str) -> dict:
     arch = ARCHS[name]
     model = arch.build()
     recomputed = count_recomputation(model, arch.layer)
-    if engine == "deepspeed":
-        wrapped = annot.auto_wrap(model, engine, checkpoint=True, optimizer=make_optimizer)
-        backward, step = wrapped.backward, wrapped.step
-    else:
-        wrapped = annot.auto_wrap(model, engine, checkpoint=True)
-        opt = make_optimizer(wrapped.parameters())
-        backward = torch.Tensor.backward
-
-        def step() -> None:
-            opt.step()
-            opt.zero_grad()
+    trainer = annot.auto_wrap(model, engine, checkpoint=True, optimizer=make_optimizer)
 
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     for batch in batches(name):
-        loss = wrapped(**rank_rows(batch, rank)).loss
+        loss = trainer(**rank_rows(batch, rank)).loss
         recomputed(True)
-        backward(loss)
+        trainer.backward(loss)
         recomputed(False)
-        step()
+        trainer.step()
+        trainer.zero_grad()
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
@@ -69,8 +60,8 @@ def pretrained(directory: Path, engine: str) -> dict:
     name = directory.name
     options = {"optimizer": make_optimizer} if engine == "deepspeed" else {}
     wrapped = annot.from_pretrained(directory, engine, **options)
-    wrapped.eval()  # DeepSpeedEngine.eval() returns None
-    model = getattr(wrapped, "module", wrapped)
+    wrapped.eval()
+    model = wrapped.model if isinstance(wrapped, annot.Trainable) else wrapped
     # Before any forward: FSDP2 keeps the root's parameters gathered after a forward
     # that no backward follows.
     whole = [n for n, p in model.named_parameters()

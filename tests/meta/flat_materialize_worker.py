@@ -48,9 +48,9 @@ def fsdp1(model: nn.Module) -> tuple[nn.Module, dict, int, int | None, Update]:
 def zero3(model: nn.Module) -> tuple[nn.Module, dict, int, int | None, Update]:
     import deepspeed
 
-    engine = annot.auto_wrap(model, "deepspeed", config=annot.deepspeed_config(model, stage=3),
-                             optimizer=lambda params: torch.optim.SGD(params, lr=LR))
-    assert engine.module is model
+    trainer = annot.auto_wrap(model, "deepspeed", config=annot.deepspeed_config(model, stage=3),
+                              optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+    assert trainer.model is model
     local = sum(p.ds_tensor.numel() for p in model.parameters())
     full = {}
     for name, param in model.named_parameters():
@@ -60,10 +60,10 @@ def zero3(model: nn.Module) -> tuple[nn.Module, dict, int, int | None, Update]:
             full[name] = param.detach().clone()
 
     def update(loss: torch.Tensor) -> None:
-        engine.backward(loss)
-        engine.step()
+        trainer.backward(loss)
+        trainer.step()
 
-    return engine, full, local, unit_allocation_peak(model), update
+    return trainer.module, full, local, unit_allocation_peak(model), update
 
 
 def run_one(engine_name: str) -> dict:
