@@ -35,6 +35,7 @@ from annot.meta.layout import WHOLE, ShardLayout
 from annot.meta.materialization import materialize
 from annot.policies import Action, Plan
 from annot.runtime.activation_checkpoint import apply_checkpointing
+from annot.runtime.activation_offload import apply_activation_offload, offloaded_activation_paths
 from annot.runtime.units import unit_paths
 
 __all__ = [
@@ -42,10 +43,12 @@ __all__ = [
     "OptimizerFactory",
     "Trainable",
     "WrapRequest",
+    "checkpoint_and_offload_activations",
     "fill_values",
     "refuse_mixed_dtypes",
     "refuse_nvme_marks",
     "resolve_dtype",
+    "resolve_torch_offload",
     "trained_parameters",
 ]
 
@@ -229,3 +232,24 @@ def refuse_mixed_dtypes(plan: Plan, engine: str) -> None:
             f"{engine} shards one dtype per unit, but {', '.join(mixed)} mix dtypes (see the "
             "Plan's warnings): cast those modules to one dtype, or give the odd parameters' "
             "module a unit of its own (Policy(shard=... | by_name(...))), or use engine='ddp'")
+
+
+def resolve_torch_offload(offload: bool | str | None, engine: str) -> bool | None:
+    """A torch engine's parameter offload: ``None`` (the Plan's marks), ``True`` (``"cpu"``)
+    or ``False``; NVMe is DeepSpeed's."""
+    if offload == "nvme":
+        raise EngineNotAvailableError(
+            f"offload='nvme' with engine {engine!r}: NVMe offload is DeepSpeed's "
+            "(engine='deepspeed'); torch engines offload to CPU")
+    if offload not in (None, True, False, "cpu"):
+        raise ValueError(f"offload must be None, True, False or 'cpu', got {offload!r}")
+    return True if offload == "cpu" else offload  # type: ignore[return-value]
+
+
+def checkpoint_and_offload_activations(model: nn.Module, plan: Plan,
+                                       checkpoint_paths: Sequence[str],
+                                       offload_activations: bool | None) -> None:
+    """The torch engines' run-time tools inside the units: non-reentrant checkpointing,
+    then activation offload (``None``: the units the Plan marks offload)."""
+    apply_checkpointing(model, checkpoint_paths)
+    apply_activation_offload(model, offloaded_activation_paths(plan, offload_activations))

@@ -19,10 +19,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from annot.engines.base import Engine, WrapRequest, refuse_nvme_marks
+from annot.engines.base import (
+    Engine,
+    WrapRequest,
+    checkpoint_and_offload_activations,
+    refuse_nvme_marks,
+)
 from annot.policies import Plan
-from annot.runtime.activation_checkpoint import apply_checkpointing
-from annot.runtime.activation_offload import apply_activation_offload, offloaded_activation_paths
 
 __all__ = ["DDP", "DDPOptions", "apply_ddp"]
 
@@ -62,9 +65,9 @@ class DDP(Engine[DDPOptions]):
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: DDPOptions,
                 checkpoint_paths: Sequence[str]) -> None:
-        apply_checkpointing(model, checkpoint_paths)
-        apply_activation_offload(
-            model, offloaded_activation_paths(request.plan, options.offload_activations))
+        # DDP has no parameter offload: the Plan's offload marks mean activation offload.
+        checkpoint_and_offload_activations(model, request.plan, checkpoint_paths,
+                                           options.offload_activations)
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: DDPOptions) -> nn.Module:
         return apply_ddp(model, device=request.device)

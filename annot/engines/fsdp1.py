@@ -34,6 +34,7 @@ from annot.engines.base import (
     refuse_mixed_dtypes,
     refuse_nvme_marks,
     resolve_dtype,
+    resolve_torch_offload,
 )
 from annot.errors import EngineNotAvailableError
 from annot.meta.deferred import DeferredInitError
@@ -70,13 +71,7 @@ class FSDP1Options:
     mixed_precision: MixedPrecision | torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
-        if self.offload == "nvme":
-            raise EngineNotAvailableError(
-                "offload='nvme' with engine 'fsdp1': NVMe offload is DeepSpeed's "
-                "(engine='deepspeed'); torch engines offload to CPU")
-        if self.offload not in (None, True, False, "cpu"):
-            raise ValueError(f"offload must be None, True, False or 'cpu', got {self.offload!r}")
-        object.__setattr__(self, "offload", True if self.offload == "cpu" else self.offload)
+        object.__setattr__(self, "offload", resolve_torch_offload(self.offload, "fsdp1"))
         object.__setattr__(self, "mixed_precision", resolve_dtype(self.mixed_precision))
 
 

@@ -31,14 +31,13 @@ from torch.distributed.fsdp import (
 from annot.engines.base import (
     Engine,
     WrapRequest,
+    checkpoint_and_offload_activations,
     refuse_mixed_dtypes,
     refuse_nvme_marks,
     resolve_dtype,
+    resolve_torch_offload,
 )
-from annot.errors import EngineNotAvailableError
 from annot.policies import Action, Plan, Unit
-from annot.runtime.activation_checkpoint import apply_checkpointing
-from annot.runtime.activation_offload import apply_activation_offload, offloaded_activation_paths
 
 __all__ = ["FSDP2", "FSDP2Options", "apply_fsdp2", "mixed_precision_policy"]
 
@@ -67,13 +66,7 @@ class FSDP2Options:
     mesh: DeviceMesh | None = None
 
     def __post_init__(self) -> None:
-        if self.offload == "nvme":
-            raise EngineNotAvailableError(
-                "offload='nvme' with engine 'fsdp2': NVMe offload is DeepSpeed's "
-                "(engine='deepspeed'); torch engines offload to CPU")
-        if self.offload not in (None, True, False, "cpu"):
-            raise ValueError(f"offload must be None, True, False or 'cpu', got {self.offload!r}")
-        object.__setattr__(self, "offload", True if self.offload == "cpu" else self.offload)
+        object.__setattr__(self, "offload", resolve_torch_offload(self.offload, "fsdp2"))
         object.__setattr__(self, "mixed_precision", resolve_dtype(self.mixed_precision))
 
 
@@ -97,11 +90,10 @@ class FSDP2(Engine[FSDP2Options]):
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: FSDP2Options,
                 checkpoint_paths: Sequence[str]) -> None:
-        apply_checkpointing(model, checkpoint_paths)
         # The Plan's offload marks mean parameter offload here; activation offload is asked
         # for explicitly.
-        apply_activation_offload(
-            model, offloaded_activation_paths(request.plan, options.offload_activations))
+        checkpoint_and_offload_activations(model, request.plan, checkpoint_paths,
+                                           options.offload_activations)
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: FSDP2Options) -> nn.Module:
         return apply_fsdp2(
