@@ -68,6 +68,29 @@ def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def pretrained_lora(directory: str, engine: str | None, **options):
+    """``annot.from_pretrained`` of the saved base Llama with the LoRA config, from the
+    same seed in every process (the adapters' random numbers)."""
+    import annot
+
+    torch.manual_seed(SEED + 2)
+    return annot.from_pretrained(directory, engine, peft_config=LORA(), **options)
+
+
+def reference_pretrained(directory: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`pretrained_lora` trained in one process on the union of the ranks' rows."""
+    model = pretrained_lora(directory, None).train()
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for batch in batches("llama"):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, trainable(model)
+
+
 def reference(case: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Losses, trainable parameters after training and frozen ones, in one process."""
     arch, build = CASES[case]

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 import annot
 from tests.distributed import worker_main
-from tests.finetune.cases import CASES, ENGINES, make_optimizer
+from tests.finetune.cases import CASES, ENGINES, make_optimizer, pretrained_lora
 from tests.huggingface.hf_archs import batches, probe_inputs, rank_rows
 
 _FSDP1_LEVEL = "_fsdp_wrapped_module."
@@ -78,8 +78,32 @@ def run_one(case: str, scenario: str, exports: Path) -> dict:
                                 for n, p in trainer.model.named_parameters() if p.requires_grad)}
 
 
+def run_pretrained(scenario: str, directory: Path) -> dict:
+    """`annot.from_pretrained` with ``peft_config`` on this engine, then training."""
+    engine, options = ENGINES[scenario]
+    trainer = pretrained_lora(str(directory), engine, checkpoint=True, optimizer=make_optimizer,
+                              **options)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for batch in batches("llama"):
+        loss = trainer(**rank_rows(batch, rank)).loss
+        trainer.backward(loss)
+        trainer.step()
+        trainer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return {"losses": losses, "params": full_parameters(trainer)}
+
+
 def run(exports: str, *names: str) -> dict:
-    return {name: run_one(*name.split(":"), Path(exports)) for name in names}
+    """``CASE:ENGINE`` runs a case; ``pretrained:ENGINE`` loads EXPORTS/base with LoRA."""
+    out = {}
+    for name in names:
+        case, scenario = name.split(":")
+        out[name] = (run_pretrained(scenario, Path(exports) / "base") if case == "pretrained"
+                     else run_one(case, scenario, Path(exports)))
+    return out
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.distributed import torchrun
-from tests.finetune.cases import CASES, ENGINES, TOLERANCE, reference
+from tests.finetune.cases import CASES, ENGINES, TOLERANCE, reference, reference_pretrained
+from tests.huggingface.hf_archs import ARCHS
 
 pytest.importorskip("peft")
 pytest.importorskip("deepspeed")
@@ -20,6 +21,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("finetune_worker.py")
 RUNS = [f"{case}:{engine}" for case in CASES for engine in ENGINES]
+PRETRAINED_RUNS = ["pretrained:fsdp2", "pretrained:zero3"]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,8 @@ def exports(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, exports) -> dict:
     out = tmp_path_factory.mktemp("finetune") / "results.pt"
-    torchrun(WORKER, str(out), str(exports), *RUNS, timeout=900)
+    ARCHS["llama"].build().save_pretrained(exports / "base")
+    torchrun(WORKER, str(out), str(exports), *RUNS, *PRETRAINED_RUNS, timeout=900)
     return torch.load(out, weights_only=False)
 
 
@@ -118,3 +121,14 @@ def test_a_plain_save_from_every_engine_is_the_trained_model(trained, references
     for name, param in loaded.named_parameters():
         want = want_trainable.get(name, want_frozen.get(name))
         torch.testing.assert_close(param.detach(), want, atol=TOLERANCE, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("run", PRETRAINED_RUNS)
+def test_from_pretrained_with_lora_trains_like_one_process(trained, exports, run):
+    # Each rank read only its rows of the base checkpoint (the FSDP2 and ZeRO-3 load paths,
+    # counted in tests/meta); the adapters came from the construction record.
+    losses, want = reference_pretrained(str(exports / "base"))
+    assert trained[run]["losses"] == pytest.approx(losses, abs=TOLERANCE, rel=0)
+    for name, value in want.items():
+        torch.testing.assert_close(trained[run]["params"][name], value, atol=TOLERANCE, rtol=0,
+                                   msg=name)
