@@ -129,7 +129,7 @@ def auto_wrap(
     wrapped = steps.wrap(model, request, opts)
     if deferred and not steps.fills_before_wrap:
         steps.fill(wrapped, request)
-    checks.forbid_stale_optimizers(before, wrapped, steps.name)
+    checks.forbid_stale_optimizers(before, wrapped, model, steps.name)
     if optimizer is None:                                         # 6. the training surface
         return wrapped
     return steps.trainable(wrapped, model, optimizer, opts)

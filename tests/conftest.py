@@ -7,8 +7,18 @@ conftest is not imported as a module)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
+
+# DeepSpeed JIT-builds a CPU op into TORCH_EXTENSIONS_DIR; the tests (and the torchrun
+# workers, which inherit the environment) use a folder of their own unless told otherwise,
+# so a build another tool killed half way (its stale lock) cannot hang them. .ci/run also
+# clears stale locks in its folder before the suite starts.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR",
+                      str(Path.home() / ".cache" / "annot-test-torch-extensions"))
 
 
 @pytest.fixture

@@ -61,23 +61,29 @@ def check_not_meta(model: nn.Module) -> None:
         )
 
 
-def forbid_stale_optimizers(before: list[nn.Parameter], wrapped: nn.Module, engine: str) -> None:
-    """Make an optimizer built before wrapping fail at its first ``step``.
+def forbid_stale_optimizers(before: list[nn.Parameter], wrapped: nn.Module, model: nn.Module,
+                            engine: str) -> None:
+    """Make an optimizer fail at its first ``step`` if it would train the wrong tensors.
 
-    An engine that replaces parameter objects (FSDP2: DTensor parameters) leaves an
-    optimizer built before it stepping tensors the model no longer uses: training would
-    silently do nothing (docs/design.md, pitfall 6). ``before`` are the parameters as they
-    were; those ``wrapped`` no longer holds are remembered (weakly), and a global
-    optimizer step hook raises `OptimizerOrderError` when an optimizer holding one steps.
-    Costs one pass over the parameters here and a dictionary lookup per ``step``
-    (each optimizer is checked again only when its parameter count changes).
+    Two mistakes train silently wrong. An engine that replaces parameter objects (FSDP2:
+    DTensor parameters) leaves an optimizer built before it stepping tensors the model no
+    longer uses (docs/design.md, pitfall 6): ``before`` are the parameters as they were,
+    and those ``wrapped`` no longer holds are remembered (weakly). And a parameter that
+    joins ``wrapped`` after this call (LoRA adapters added to a sharded model) is
+    synchronised by no engine (pitfall 19): ``wrapped``'s parameters now are remembered,
+    and ``model`` (the bare model, for the names in the message).
+    A global optimizer step hook raises `OptimizerOrderError` in either case. Costs one
+    pass over the parameters here; per ``step`` a dictionary lookup, and a pass over the
+    wrapped models' parameters the first time an optimizer steps (again only when its
+    parameter count changes).
     """
     kept = {id(p) for p in wrapped.parameters()}
     for param in before:
         if id(param) not in kept:
             _REPLACED[id(param)] = (weakref.ref(param, _forget(id(param))), engine, type(wrapped).__name__)
+    _WRAPPED.append((weakref.ref(model), frozenset(kept), engine))
     global _HOOK
-    if _HOOK is None and _REPLACED:
+    if _HOOK is None:
         _HOOK = register_optimizer_step_pre_hook(_refuse_stale)
 
 
@@ -86,6 +92,8 @@ _REPLACED: dict[int, tuple[weakref.ref[nn.Parameter], str, str]] = {}
 # optimizer -> parameter count when it was last checked.
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 _HOOK: Any = None
+# Each wrapped bare model (weakly), the ids of its parameters when wrapped, its engine.
+_WRAPPED: list[tuple[weakref.ref[nn.Module], frozenset[int], str]] = []
 
 
 def _forget(key: int) -> Callable[[Any], None]:
@@ -110,4 +118,26 @@ def _refuse_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> N
                     "after wrapping: model = annot.auto_wrap(model, ...); "
                     "opt = torch.optim.AdamW(model.parameters()), or pass "
                     "optimizer=lambda params: torch.optim.AdamW(params) to auto_wrap.")
+    _refuse_added_after_wrapping(optimizer)
     _CHECKED[optimizer] = count
+
+
+def _refuse_added_after_wrapping(optimizer: torch.optim.Optimizer) -> None:
+    """A parameter that joined a wrapped model after `auto_wrap` (LoRA adapters added to a
+    sharded model) is one no engine synchronises: ranks would train different values,
+    silently (docs/design.md, pitfall 19)."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    _WRAPPED[:] = [entry for entry in _WRAPPED if entry[0]() is not None]
+    for ref, known, engine in _WRAPPED:
+        model = ref()
+        if model is None:
+            continue
+        added = [name.replace("_fsdp_wrapped_module.", "")  # FSDP1's level, in no user name
+                 for name, p in model.named_parameters() if id(p) in stepped and id(p) not in known]
+        if added:
+            shown = ", ".join(added[:4]) + (f" and {len(added) - 4} more" if len(added) > 4 else "")
+            raise OptimizerOrderError(
+                f"{shown} joined {type(model).__name__} after annot.auto_wrap(engine={engine!r}), "
+                f"which does not synchronise them across ranks: each rank would train its own "
+                "values. Add adapters before wrapping: annot.from_pretrained(..., "
+                "peft_config=...), or peft.get_peft_model(model, ...) before annot.auto_wrap.")

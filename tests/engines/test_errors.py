@@ -66,6 +66,19 @@ def test_an_optimizer_built_before_fsdp2_fails_at_its_first_step(one_rank):
     torch.optim.AdamW(wrapped.parameters()).step()  # one built after wrapping steps
 
 
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1", "ddp"])
+def test_parameters_added_after_wrapping_are_refused_at_the_first_step(one_rank, engine):
+    # No engine synchronises a parameter it never saw: ranks would train different values.
+    model = small_gpt()
+    wrapped = annot.auto_wrap(model, engine)
+    model.transformer.h[0].adapter = torch.nn.Linear(32, 32)  # what get_peft_model adds
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    with pytest.raises(annot.OptimizerOrderError,
+                       match=r"^transformer.h.0.adapter.weight, transformer.h.0.adapter.bias "
+                             r"joined \w*GPT after annot.auto_wrap"):
+        optimizer.step()
+
+
 def test_an_optimizer_built_before_fsdp1_holds_the_parameters_it_trains(one_rank):
     # FSDP1 with use_orig_params=True keeps the parameter objects (their data becomes
     # views of the flat shard), so an earlier optimizer holds what the wrapped model trains.
