@@ -50,10 +50,8 @@ def full_parameters(trainer: annot.Trainable) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_one(case: str, scenario: str, exports: Path) -> dict:
-    arch, build = CASES[case]
-    engine, options = ENGINES[scenario]
-    trainer = annot.auto_wrap(build(), engine, checkpoint=True, optimizer=make_optimizer, **options)
+def train(trainer: annot.Trainable, arch: str) -> list[float]:
+    """Train on this rank's rows of each batch; the mean loss over ranks per step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     for batch in batches(arch):
@@ -64,6 +62,14 @@ def run_one(case: str, scenario: str, exports: Path) -> dict:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
+    return losses
+
+
+def run_one(case: str, scenario: str, exports: Path) -> dict:
+    arch, build = CASES[case]
+    engine, options = ENGINES[scenario]
+    trainer = annot.auto_wrap(build(), engine, checkpoint=True, optimizer=make_optimizer, **options)
+    losses = train(trainer, arch)
     trainer.eval()
     with torch.no_grad():
         logits = trainer(**probe_inputs(arch)).logits.detach().clone()
@@ -83,16 +89,7 @@ def run_pretrained(scenario: str, directory: Path) -> dict:
     engine, options = ENGINES[scenario]
     trainer = pretrained_lora(str(directory), engine, checkpoint=True, optimizer=make_optimizer,
                               **options)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for batch in batches("llama"):
-        loss = trainer(**rank_rows(batch, rank)).loss
-        trainer.backward(loss)
-        trainer.step()
-        trainer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    losses = train(trainer, "llama")
     return {"losses": losses, "params": full_parameters(trainer)}
 
 
