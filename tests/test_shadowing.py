@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# Slow lane: each test starts fresh Python processes that import torch.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 
 USER_FILE = 'raise ImportError("user file imported: {name}.py beside the script")\n'

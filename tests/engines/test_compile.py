@@ -30,6 +30,9 @@ from annot.runtime.activation_checkpoint import checkpoint_module, has_outer_che
 from annot.runtime.activation_offload import activation_offloader, offload_activations
 from examples.gpt.model import GPT
 
+# Slow lane: torch.compile traces and compiles every test's graphs: seconds each.
+pytestmark = pytest.mark.slow
+
 TOL = {"rtol": 0, "atol": 1e-6}  # fp32
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 CHECKPOINT_REGION = torch.ops.higher_order.tag_activation_checkpoint

@@ -12,6 +12,9 @@ import pytest
 
 import annot
 
+# Slow lane: runs `annot plan` in a fresh process that imports transformers.
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 
 
