@@ -113,9 +113,9 @@ def auto_wrap(
             "optimizer (e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)); DeepSpeed "
             "calls it after partitioning the model")
     plan = resolve_plan(model, policy)                            # 2. the Plan
-    steps.check(model, plan, opts)
     request = WrapRequest(plan, checks.default_device(device), deferred,
                           Path(load_from) if load_from is not None and deferred else None)
+    steps.check(model, request, opts)
     checkpointed = steps.checkpoint_paths(model, plan, checkpoint)
     hf_model = pretrained_inside(model)                           # 3. HF training settings
     if hf_model is not None:  # a transformers model, bare or inside PEFT or a user's module

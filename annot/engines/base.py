@@ -165,8 +165,9 @@ class Engine(Generic[OptionsT]):
         """Why ``option`` is not this engine's, and what to use instead ("" if no hint)."""
         return ""
 
-    def check(self, model: nn.Module, plan: Plan, options: OptionsT) -> None:
-        """Refuse, before anything changes, what this engine cannot do with ``plan``."""
+    def check(self, model: nn.Module, request: WrapRequest, options: OptionsT) -> None:
+        """Refuse, before anything changes, what this engine cannot do with the request's
+        Plan on its device."""
 
     def checkpoint_paths(self, model: nn.Module, plan: Plan, choice: bool | None) -> list[str]:
         """Modules to checkpoint: the Plan's (``None``), every unit (``True``), none."""

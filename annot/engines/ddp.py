@@ -25,7 +25,6 @@ from annot.engines.base import (
     checkpoint_and_offload_activations,
     refuse_nvme_marks,
 )
-from annot.policies import Plan
 
 __all__ = ["DDP", "DDPOptions", "apply_ddp"]
 
@@ -60,7 +59,8 @@ class DDP(Engine[DDPOptions]):
             "mesh": "DDP replicates over the default process group",
         }.get(option, "")
 
-    def check(self, model: nn.Module, plan: Plan, options: DDPOptions) -> None:
+    def check(self, model: nn.Module, request: WrapRequest, options: DDPOptions) -> None:
+        plan = request.plan
         refuse_nvme_marks(plan, self.name)
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: DDPOptions,

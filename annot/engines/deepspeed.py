@@ -175,7 +175,8 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
             "mesh": "DeepSpeed partitions over the default process group",
         }.get(option, "")
 
-    def check(self, model: nn.Module, plan: Plan, options: DeepSpeedOptions) -> None:
+    def check(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions) -> None:
+        plan = request.plan
         # Not verified with DeepSpeed, so refused rather than risked.
         refuse_mixed_dtypes(plan, self.name)
         self.config = options.config if options.config is not None else deepspeed_config(

@@ -90,8 +90,10 @@ class FSDP1(Engine[FSDP1Options]):
                      "(SHARD_GRAD_OP)",
         }.get(option, "")
 
-    def check(self, model: nn.Module, plan: Plan, options: FSDP1Options) -> None:
+    def check(self, model: nn.Module, request: WrapRequest, options: FSDP1Options) -> None:
+        plan = request.plan
         _refuse_groups(plan)
+        _refuse_offload_on_cpu(bool(options.offload), request.device)
         refuse_mixed_dtypes(plan, self.name)
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
@@ -113,6 +115,15 @@ class FSDP1(Engine[FSDP1Options]):
 
 def _offload(offload: Any) -> bool | None:
     return None if offload is None else bool(offload)
+
+
+def _refuse_offload_on_cpu(offload: bool, device: torch.device) -> None:
+    if offload and device.type == "cpu":
+        # Measured with torch 2.13: FSDP1 pins the offloaded shards unconditionally, which
+        # crashes without an accelerator ("Cannot access accelerator device").
+        raise EngineNotAvailableError(
+            "FSDP1 parameter offload pins host memory and needs a GPU: on CPU use "
+            "engine='fsdp2' (its CPUOffloadPolicy works there) or offload=False")
 
 
 def _refuse_groups(plan: Plan) -> None:
@@ -212,13 +223,7 @@ def apply_fsdp1(
     FSDP1 offloads all parameters or none: ``offload=True`` offloads everything;
     a Plan that offloads only some units is refused unless ``offload`` is given.
     """
-    if offload and device.type == "cpu":
-        # Measured with torch 2.13: FSDP1 pins the offloaded shards unconditionally, which
-        # crashes without an accelerator ("Cannot access accelerator device").
-        raise EngineNotAvailableError(
-            "FSDP1 parameter offload pins host memory and needs a GPU: on CPU use "
-            "engine='fsdp2' (its CPUOffloadPolicy works there) or offload=False"
-        )
+    _refuse_offload_on_cpu(bool(offload), device)
     wrap_policy, _ = fsdp1_policies(model, plan)
     if isinstance(mixed_precision, torch.dtype):
         # Reductions in fp32: low-precision gradient sums lose small updates.

@@ -83,7 +83,8 @@ class FSDP2(Engine[FSDP2Options]):
             "config": "config= is DeepSpeed's (engine='deepspeed')",
         }.get(option, "")
 
-    def check(self, model: nn.Module, plan: Plan, options: FSDP2Options) -> None:
+    def check(self, model: nn.Module, request: WrapRequest, options: FSDP2Options) -> None:
+        plan = request.plan
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
         refuse_mixed_dtypes(plan, self.name)

@@ -118,3 +118,18 @@ def test_a_deep_copy_keeps_checkpointing_bound_to_the_copy(one_rank):
     block = twin.transformer.h[0]
     assert is_checkpointed(block)
     assert block.__dict__["_annot_state"].original_forward.__self__ is block
+
+
+@pytest.mark.parametrize(("engine", "options", "error"), [
+    ("fsdp1", dict(offload=True, device="cpu"), annot.EngineNotAvailableError),  # needs a GPU
+    ("deepspeed", dict(stage=2, leaf_modules=["MLP"]), ValueError),  # a ZeRO-3 setting
+    ("fsdp2", dict(offload="nvme"), annot.EngineNotAvailableError),
+])
+def test_a_refusal_leaves_the_model_as_it_was(one_rank, engine, options, error):
+    model = small_gpt()
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    with pytest.raises(error):
+        annot.auto_wrap(model, engine, checkpoint=True, optimizer=sgd, **options)
+    assert not any("_annot_state" in vars(m) for m in model.modules())  # nothing installed
+    assert {n: p for n, p in model.state_dict().items()}.keys() == before.keys()
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())

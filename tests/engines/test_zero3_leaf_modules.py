@@ -4,8 +4,10 @@ The 2-rank training run with leaves is the ``zero3-leaf-checkpoint`` parity scen
 from __future__ import annotations
 
 import pytest
+import torch
 
 import annot
+from annot.engines.base import WrapRequest
 from annot.engines.deepspeed import DeepSpeed, DeepSpeedOptions, set_leaf_modules
 from examples.gpt.model import MLP
 from tests.engines.small_gpt import N_LAYER, gpt
@@ -39,4 +41,5 @@ def test_leaf_modules_outside_zero3_are_refused_before_deepspeed_starts():
     model = gpt()
     options = DeepSpeedOptions(stage=2, leaf_modules=[MLP])
     with pytest.raises(ValueError, match="ZeRO-3 setting.*stage is 2"):
-        DeepSpeed().check(model, annot.plan(model), options)  # auto_wrap's check step
+        request = WrapRequest(annot.plan(model), torch.device("cpu"), deferred=False)
+        DeepSpeed().check(model, request, options)  # auto_wrap's check step
