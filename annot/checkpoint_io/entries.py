@@ -11,7 +11,7 @@ import torch
 from annot.errors import CheckpointError
 from annot.meta.layout import ShardLayout
 
-__all__ = ["Entry", "entry", "full_shape", "full_tensor", "local"]
+__all__ = ["Entry", "entry", "full_shape", "full_tensor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,3 @@ def full_tensor(tensor: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
     return full.detach().cpu()
 
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t

@@ -29,7 +29,7 @@ from annot.errors import CheckpointError
 from annot.huggingface.keys import checkpoint_renamer, peft_renamer
 from annot.huggingface.model import is_peft_model, is_pretrained_model
 from annot.meta.deferred import deferred_init_of
-from annot.meta.layout import WHOLE, FlatPart, ShardLayout
+from annot.meta.layout import WHOLE, FlatPart, ShardLayout, local
 from annot.meta.materialization import materialize
 
 __all__ = ["CheckpointError", "LoadReport", "check_keys", "load", "load_logged", "state_names"]
@@ -191,7 +191,7 @@ def _allocate(model: nn.Module, device: torch.device | str | None, skip: set[str
     for what the checkpoint does not provide; ``skip`` names what it does."""
     tensors = list(model.parameters()) + list(model.buffers())
     record = deferred_init_of(layout.bare_model(model))
-    if not any(_local(t).is_meta for t in tensors) and not (record is not None and record.pending):
+    if not any(local(t).is_meta for t in tensors) and not (record is not None and record.pending):
         return
     if record is not None:
         materialize(model, device=device, skip=skip, layout=layout)
@@ -209,10 +209,6 @@ def _allocate(model: nn.Module, device: torch.device | str | None, skip: set[str
     raise CheckpointError(
         "the model is on the meta device and was not built under annot.meta_init(): build it "
         "there (or materialize it) before loading")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _rows(target: torch.Tensor) -> tuple[int, int] | None:
@@ -273,9 +269,9 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
                 value = handle.read(source, *rows) if rows is not None else handle.read(source)
                 read += value.numel() * value.element_size()
                 for name in group:  # tied names may be distinct objects (to_empty)
-                    local = _local(names[name])
-                    if local.numel():
-                        local.copy_(value)
+                    here = local(names[name])
+                    if here.numel():
+                        here.copy_(value)
                 loaded += 1
                 progress.advance()
     return loaded, read
@@ -312,5 +308,5 @@ def _load_dcp(model: nn.Module, path: Path, strict: bool, layout: ShardLayout) -
         raise CheckpointError(_mismatch(path, missing, unexpected))
     wanted = {k: v for k, v in state.items() if k in keys}
     dcp.load(wanted, checkpoint_id=str(path))
-    read = sum(_local(v).numel() * _local(v).element_size() for v in wanted.values())
+    read = sum(local(v).numel() * local(v).element_size() for v in wanted.values())
     return LoadReport(tuple(missing), tuple(unexpected), len(wanted), read)

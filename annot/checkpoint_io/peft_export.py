@@ -5,13 +5,14 @@ base model's, so PEFT and transformers load the result."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from annot.checkpoint_io.entries import Entry, full_shape, full_tensor
+from annot.checkpoint_io.entries import Entry, entry, full_shape, full_tensor
 from annot.errors import CheckpointError
 from annot.huggingface.keys import peft_base_name
 from annot.meta.layout import ShardLayout
@@ -36,11 +37,8 @@ def adapter_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
                                        save_embedding_layers=False)
     if not chosen:
         raise CheckpointError(f"PEFT found no tensors of adapter {adapter!r} to save")
-    entries = []
-    for key, placeholder in chosen.items():
-        tensor = source[id(placeholder)]
-        entries.append(Entry(layout.clean(key), tuple(placeholder.shape), tensor.dtype,
-                             _whole(tensor, layout)))
+    entries = [entry(layout.clean(key), source[id(placeholder)], layout)
+               for key, placeholder in chosen.items()]
     return entries, peft_model.peft_config[adapter]
 
 
@@ -54,17 +52,12 @@ def merged_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
     for name, tensor in tensors.items():
         if ".lora_" in name or ".original_module." in name:
             continue  # adapters are merged in; a modules_to_save copy replaces its original
-        base = peft_base_name(name, adapter)
-        fetch = _whole(tensor, layout)
+        plain = entry(peft_base_name(name, adapter), tensor, layout)
         if name.endswith(".base_layer.weight"):
             lora = peft_model.get_submodule(name.removesuffix(".base_layer.weight"))
-            fetch = _merged_weight(lora, tensor, adapter, layout, name)
-        entries.append(Entry(base, full_shape(tensor, layout), tensor.dtype, fetch))
+            plain = dataclasses.replace(plain, fetch=_merged_weight(lora, tensor, adapter, layout, name))
+        entries.append(plain)
     return entries, peft_model.get_base_model().config
-
-
-def _whole(tensor: torch.Tensor, layout: ShardLayout) -> Callable[[], torch.Tensor]:
-    return lambda: full_tensor(tensor, layout)
 
 
 def _active_adapter(peft_model: Any) -> str:

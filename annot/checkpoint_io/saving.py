@@ -22,14 +22,14 @@ import torch
 from torch import nn
 
 from annot._progress import Progress
-from annot.checkpoint_io.entries import Entry, local
+from annot.checkpoint_io.entries import Entry
 from annot.checkpoint_io.entries import entry as model_entry
 from annot.checkpoint_io.loading import INDEX, SINGLE, state_names
 from annot.checkpoint_io.peft_export import adapter_entries, merged_entries
 from annot.checkpoint_io.safetensors_file import SafetensorsWriter
 from annot.errors import CheckpointError
 from annot.huggingface.model import is_peft_model
-from annot.meta.layout import WHOLE, ShardLayout
+from annot.meta.layout import WHOLE, ShardLayout, local
 
 __all__ = ["DEFAULT_SHARD_BYTES", "save"]
 

@@ -41,7 +41,7 @@ from annot.engines.base import (
 from annot.engines.deepspeed_config import deepspeed_config
 from annot.meta.deferred import DeferredInitError
 from annot.meta.layout import FlatPart, ShardLayout
-from annot.meta.unit_allocation import UnitAllocator, module_tensors
+from annot.meta.unit_allocation import UnitAllocator
 from annot.policies import Action, Plan, Rule
 from annot.policies.model_index import ModelIndex
 from annot.runtime.activation_checkpoint import apply_checkpointing
@@ -213,8 +213,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
             set_leaf_modules(model, options.leaf_modules)
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions) -> nn.Module:
-        if self.stage == 3 and not _params_swapped_to_nvme(self.config) and any(
-                t.is_meta for t in module_tensors(model)):
+        if request.deferred and self.stage == 3 and not _params_swapped_to_nvme(self.config):
             unit_paths = [m for u in request.plan.units if u.has(Action.SHARD) for m in u.modules]
             partition_unit_by_unit(model, unit_paths, self.config, request.device)
         return model

@@ -16,7 +16,7 @@ the root last; `shard_layout` says where each parameter's shard is, for filling 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -97,24 +97,20 @@ class FSDP1(Engine[FSDP1Options]):
         refuse_mixed_dtypes(plan, self.name)
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
-        if options.offload is None and any(u.has(Action.OFFLOAD) for u in plan.units):
-            raise EngineNotAvailableError(
-                "the Plan offloads some units, but FSDP1 offloads all parameters or none: "
-                "pass offload=True or offload=False, or use engine='fsdp2'")
+            if any(u.has(Action.OFFLOAD) for u in plan.units):
+                raise EngineNotAvailableError(
+                    "the Plan offloads some units, but FSDP1 offloads all parameters or none: "
+                    "pass offload=True or offload=False, or use engine='fsdp2'")
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: FSDP1Options) -> nn.Module:
         return apply_fsdp1(
-            model, request.plan, offload=_offload(options.offload),
-            # __post_init__ resolved a name ("bf16") to a dtype
+            # __post_init__ resolved offload to None/True/False and a name ("bf16") to a dtype
+            model, request.plan, offload=cast("bool | None", options.offload),
             mixed_precision=cast("MixedPrecision | torch.dtype | None", options.mixed_precision),
             reshard_after_forward=options.reshard_after_forward, device=request.device)
 
     def layout(self, wrapped: nn.Module) -> ShardLayout:
         return shard_layout(wrapped)
-
-
-def _offload(offload: Any) -> bool | None:
-    return None if offload is None else bool(offload)
 
 
 def _refuse_offload_on_cpu(offload: bool, device: torch.device) -> None:

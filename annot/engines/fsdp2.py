@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -98,15 +98,11 @@ class FSDP2(Engine[FSDP2Options]):
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: FSDP2Options) -> nn.Module:
         return apply_fsdp2(
-            model, request.plan, offload=_offload(options.offload),
-            # __post_init__ resolved a name ("bf16") to a dtype
+            # __post_init__ resolved offload to None/True/False and a name ("bf16") to a dtype
+            model, request.plan, offload=cast("bool | None", options.offload),
             mixed_precision=cast("MixedPrecisionPolicy | torch.dtype | None", options.mixed_precision),
             reshard_after_forward=options.reshard_after_forward, mesh=options.mesh,
             device=request.device)
-
-
-def _offload(offload: Any) -> bool | None:
-    return None if offload is None else bool(offload)
 
 
 def mixed_precision_policy(

@@ -144,11 +144,12 @@ def prepare_for_training(model: nn.Module, *, checkpointing: bool) -> list[str]:
                      "Plan's units instead (stacking both would recompute every layer twice)")
     elif theirs:
         notes.append("kept transformers' gradient checkpointing: annot checkpoints nothing here")
-    if (checkpointing or theirs) and _use_cache_position(model) is not None:
+    position = _use_cache_position(model)
+    if (checkpointing or theirs) and position is not None:
         state = module_state(model)
         if state.no_cache_hook is None:
-            state.no_cache_hook = model.register_forward_pre_hook(_no_cache_in_training,
-                                                                  with_kwargs=True)
+            state.no_cache_hook = model.register_forward_pre_hook(
+                _no_cache_in_training(position), with_kwargs=True)
             notes.append("training forwards run with use_cache=False (a key/value cache is not "
                          "used in training and does not mix with checkpointing); the config "
                          "keeps use_cache as it was, for saving and generation")
@@ -172,19 +173,27 @@ def _use_cache_position(model: nn.Module) -> int | None:
     return None
 
 
-def _no_cache_in_training(module: nn.Module, args: tuple[Any, ...],
-                          kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+HookResult = tuple[tuple[Any, ...], dict[str, Any]] | None
+
+
+def _no_cache_in_training(position: int) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], HookResult]:
     """Forward pre-hook: ``use_cache=False`` for a forward that builds a graph (training,
-    grad on), unless the caller passed ``use_cache`` positionally (then it is theirs)."""
-    if not (module.training and torch.is_grad_enabled()) or kwargs.get("use_cache") is False:
-        return None
-    position = _use_cache_position(module)
-    if position is None or len(args) > position:
-        return None
-    if kwargs.get("use_cache"):
-        logger.warning("%s: use_cache=True in a training forward is ignored: recomputation under "
-                       "checkpointing would append to the cache twice", type(module).__name__)
-    return args, {**kwargs, "use_cache": False}
+    grad on), unless the caller passed ``use_cache`` positionally (at ``position`` or
+    later in ``args``: then it is theirs). ``position`` is read from ``forward``'s
+    signature once, when the hook is installed, not on every forward."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HookResult:
+        if not (module.training and torch.is_grad_enabled()) or kwargs.get("use_cache") is False:
+            return None
+        if len(args) > position:
+            return None
+        if kwargs.get("use_cache"):
+            logger.warning("%s: use_cache=True in a training forward is ignored: recomputation "
+                           "under checkpointing would append to the cache twice",
+                           type(module).__name__)
+        return args, {**kwargs, "use_cache": False}
+
+    return hook
 
 
 def _hf_checkpointing(model: nn.Module) -> bool:

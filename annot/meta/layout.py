@@ -15,7 +15,12 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-__all__ = ["FlatPart", "ShardLayout", "WHOLE"]
+__all__ = ["FlatPart", "ShardLayout", "WHOLE", "local"]
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a DTensor's local shard, any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from annot.meta.deferred import (
     Ref,
     deferred_init_of,
 )
-from annot.meta.layout import WHOLE, FlatPart, ShardLayout
+from annot.meta.layout import WHOLE, FlatPart, ShardLayout, local
 from annot.module_state import module_state, peek_state
 
 __all__ = ["ReplayStats", "materialize", "replay_stats"]
@@ -72,7 +72,7 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
             "annot.register_init(ModuleClass, fn)."
         )
     targets = _targets(model, record)
-    if any(_local(t).is_meta for t in targets.values()):
+    if any(local(t).is_meta for t in targets.values()):
         # to_empty allocates only local shards for FSDP2 modules, but gives each module's
         # visit of a tied parameter its own new Parameter: tie them again right after.
         model.to_empty(device=device or _sharded_device(model) or "cpu")
@@ -84,7 +84,7 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     stats = _replay(record, fill, progress, skipped_groups, layout.parts)
     module_state(model).replay_stats = stats
     record.pending = False
-    leftover = [n for n, t in _targets(model, record).items() if _local(t).is_meta]
+    leftover = [n for n, t in _targets(model, record).items() if local(t).is_meta]
     if leftover:
         raise DeferredInitError(f"still on the meta device after materializing: {', '.join(leftover)}")
     return model
@@ -134,10 +134,6 @@ def _retie(model: nn.Module, record: DeferredInit) -> None:
             holder[leaf] = first[ref]
         else:
             first[ref] = holder[leaf]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _sharded_device(model: nn.Module) -> torch.device | None:
