@@ -138,6 +138,8 @@ class Engine(Generic[OptionsT]):
     fills_before_wrap: ClassVar[bool] = False
     #: Whether `auto_wrap` needs ``optimizer=`` (an engine that builds it itself).
     requires_optimizer: ClassVar[bool] = False
+    #: Option names other engines take -> what to use with this one instead.
+    hints: ClassVar[dict[str, str]] = {}
 
     def options(self, given: OptionsT | None, **kwargs: Any) -> OptionsT:
         """The engine's options from an ``Options`` instance or keyword arguments."""
@@ -163,7 +165,7 @@ class Engine(Generic[OptionsT]):
 
     def hint(self, option: str) -> str:
         """Why ``option`` is not this engine's, and what to use instead ("" if no hint)."""
-        return ""
+        return self.hints.get(option, "")
 
     def check(self, model: nn.Module, request: WrapRequest, options: OptionsT) -> None:
         """Refuse, before anything changes, what this engine cannot do with the request's

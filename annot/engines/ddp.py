@@ -50,14 +50,13 @@ class DDP(Engine[DDPOptions]):
     Options = DDPOptions
     fills_before_wrap = True
 
-    def hint(self, option: str) -> str:
-        return {
-            "offload": "DDP keeps every parameter on the device; offload_activations=True "
-                       "offloads activations, engine='fsdp2' offloads parameters",
-            "mixed_precision": "with DDP use torch.autocast in the training step",
-            "reshard_after_forward": "DDP does not shard; use engine='fsdp2'",
-            "mesh": "DDP replicates over the default process group",
-        }.get(option, "")
+    hints = {
+        "offload": "DDP keeps every parameter on the device; offload_activations=True "
+                   "offloads activations, engine='fsdp2' offloads parameters",
+        "mixed_precision": "with DDP use torch.autocast in the training step",
+        "reshard_after_forward": "DDP does not shard; use engine='fsdp2'",
+        "mesh": "DDP replicates over the default process group",
+    }
 
     def check(self, model: nn.Module, request: WrapRequest, options: DDPOptions) -> None:
         plan = request.plan

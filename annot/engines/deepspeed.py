@@ -166,14 +166,13 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
     def __init__(self) -> None:
         self.config: dict[str, Any] = {}
 
-    def hint(self, option: str) -> str:
-        return {
-            "reshard_after_forward": "DeepSpeed's ZeRO stage says it: stage=3 frees gathered "
-                                     "parameters after forward, stage=2 keeps them",
-            "offload_activations": "use DeepSpeed's own annot.deepspeed_config(..., "
-                                   "cpu_checkpointing=True) as config=",
-            "mesh": "DeepSpeed partitions over the default process group",
-        }.get(option, "")
+    hints = {
+        "reshard_after_forward": "DeepSpeed's ZeRO stage says it: stage=3 frees gathered "
+                                 "parameters after forward, stage=2 keeps them",
+        "offload_activations": "use DeepSpeed's own annot.deepspeed_config(..., "
+                               "cpu_checkpointing=True) as config=",
+        "mesh": "DeepSpeed partitions over the default process group",
+    }
 
     def check(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions) -> None:
         plan = request.plan

@@ -81,14 +81,13 @@ class FSDP1(Engine[FSDP1Options]):
     name = "fsdp1"
     Options = FSDP1Options
 
-    def hint(self, option: str) -> str:
-        return {
-            "mesh": "FSDP1 shards over the default process group; for a device mesh "
-                    "(HSDP) use engine='fsdp2'",
-            "offload_activations": "activation offload is wired for engine='fsdp2' or 'ddp'",
-            "stage": "FSDP1 says it with reshard_after_forward=True (FULL_SHARD) or False "
-                     "(SHARD_GRAD_OP)",
-        }.get(option, "")
+    hints = {
+        "mesh": "FSDP1 shards over the default process group; for a device mesh "
+                "(HSDP) use engine='fsdp2'",
+        "offload_activations": "activation offload is wired for engine='fsdp2' or 'ddp'",
+        "stage": "FSDP1 says it with reshard_after_forward=True (FULL_SHARD) or False "
+                 "(SHARD_GRAD_OP)",
+    }
 
     def check(self, model: nn.Module, request: WrapRequest, options: FSDP1Options) -> None:
         plan = request.plan

@@ -76,12 +76,11 @@ class FSDP2(Engine[FSDP2Options]):
     name = "fsdp2"
     Options = FSDP2Options
 
-    def hint(self, option: str) -> str:
-        return {
-            "stage": "FSDP2 says it with reshard_after_forward=True (ZeRO-3-like) or False "
-                     "(ZeRO-2-like)",
-            "config": "config= is DeepSpeed's (engine='deepspeed')",
-        }.get(option, "")
+    hints = {
+        "stage": "FSDP2 says it with reshard_after_forward=True (ZeRO-3-like) or False "
+                 "(ZeRO-2-like)",
+        "config": "config= is DeepSpeed's (engine='deepspeed')",
+    }
 
     def check(self, model: nn.Module, request: WrapRequest, options: FSDP2Options) -> None:
         plan = request.plan
