@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 from torch import nn
 
-from annot.checkpoint_io.loading import load_logged
+from annot.checkpoint_io.loading import check_compatible, load_logged
 from annot.engines import checks
 from annot.engines.base import OptimizerFactory, Trainable, WrapRequest
 from annot.engines.registry import get_engine
@@ -116,6 +116,8 @@ def auto_wrap(
     request = WrapRequest(plan, checks.default_device(device), deferred,
                           Path(load_from) if load_from is not None and deferred else None)
     steps.check(model, request, opts)
+    if request.load_from is not None:  # shapes and dtypes from the headers, before any allocation
+        check_compatible(model, request.load_from)
     checkpointed = steps.checkpoint_paths(model, plan, checkpoint)
     hf_model = pretrained_inside(model)                           # 3. HF training settings
     if hf_model is not None:  # a transformers model, bare or inside PEFT or a user's module

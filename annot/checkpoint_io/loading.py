@@ -67,9 +67,10 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
     missing, unexpected, groups, available = match.missing, match.unexpected, match.groups, match.available
     if strict and (missing or unexpected):
         raise CheckpointError(_mismatch(path, missing, unexpected))
+    _refuse_incompatible(model, match, layout)
     provided = {n for group in groups if any(m in available for m in group) for n in group}
     _allocate(model, device, skip=provided, layout=layout)
-    loaded, read = _fill_from_safetensors(model, groups, available, match.file_key, layout)
+    loaded, read = _fill_from_safetensors(model, groups, match, layout)
     return LoadReport(tuple(missing), tuple(unexpected), loaded, read)
 
 
@@ -93,6 +94,7 @@ class _Match:
     groups: list[list[str]]  # names sharing one tensor
     available: dict[str, Path]  # model name -> file holding it
     file_key: dict[str, str]  # model name -> its key in that file
+    files: dict[Path, SafetensorsFile]  # every file, its header checked
 
 
 def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
@@ -101,15 +103,48 @@ def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
     rename = _key_renamer(layout.bare_model(model))
     available: dict[str, Path] = {}
     file_key: dict[str, str] = {}
-    for file, keys in files.items():
-        for key in keys:
+    for file, handle in files.items():
+        for key in handle.keys():
             name = rename(key) if rename is not None else key
             available[name] = file
             file_key[name] = key
     groups = _tied_groups(model, names, layout)
     missing = [group[0] for group in groups if not any(n in available for n in group)]
     unexpected = sorted(set(available) - set(names))
-    return _Match(missing, unexpected, groups, available, file_key)
+    return _Match(missing, unexpected, groups, available, file_key, files)
+
+
+def _refuse_incompatible(model: nn.Module, match: _Match, layout: ShardLayout) -> None:
+    """Compare every tensor the checkpoint provides with the model's, from the headers
+    alone, before anything is allocated (docs/design.md, pitfall 17): the shape must be
+    equal, and the dtype equal or both floating point (a cast between float types is a
+    conversion; anything else would reinterpret values)."""
+    names = state_names(model, layout)
+    for name, file in match.available.items():
+        if name not in names:
+            continue
+        target, key, handle = names[name], match.file_key[name], match.files[file]
+        parts = layout.parts.get(id(target))
+        model_shape = parts[0].full_shape if parts else tuple(target.shape)
+        if handle.shape(key) != model_shape:
+            raise CheckpointError(f"{file}: {key}: checkpoint shape {handle.shape(key)} != "
+                                  f"model shape {model_shape} ({name})")
+        stored, wanted = handle.dtype(key), local(target).dtype
+        if stored != wanted and not (stored.is_floating_point and wanted.is_floating_point):
+            raise CheckpointError(f"{file}: {key}: stored as {stored}, the model's {name} is "
+                                  f"{wanted}; annot converts only between floating-point types")
+
+
+def check_compatible(model: nn.Module, path: str | os.PathLike[str],
+                     layout: ShardLayout = WHOLE) -> None:
+    """Raise `CheckpointError` when a tensor of the safetensors checkpoint at ``path``
+    differs from ``model``'s in shape or in kind of dtype, reading only file headers
+    (what is missing or extra is `load`'s business). ``auto_wrap(load_from=...)`` calls it
+    before an engine allocates anything."""
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        return
+    _refuse_incompatible(model, _match(model, path, layout), layout)
 
 
 def check_keys(model: nn.Module, path: str | os.PathLike[str],
@@ -130,29 +165,42 @@ def _mismatch(path: Path, missing: list[str], unexpected: list[str]) -> str:
     return "; ".join(parts) + ". Pass strict=False to load what matches and get the rest reported."
 
 
-def _safetensors_files(path: Path) -> dict[Path, list[str]]:
+def _safetensors_files(path: Path) -> dict[Path, SafetensorsFile]:
+    """The checkpoint's files, each header checked (`SafetensorsFile`)."""
     if path.is_file():
         candidates = [path]
     elif (path / INDEX).is_file():
-        try:
-            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{path / INDEX}: not a safetensors index ({exc})") from None
-        candidates = sorted({path / f for f in weight_map.values()})
+        candidates = _indexed_files(path)
     elif (path / SINGLE).is_file():
         candidates = [path / SINGLE]
     else:
         raise CheckpointError(
             f"{path}: no {SINGLE}, no {INDEX} and no torch distributed checkpoint (.metadata)")
-    out = {}
-    for file in candidates:
+    return {file: SafetensorsFile(file) for file in candidates}
+
+
+def _indexed_files(folder: Path) -> list[Path]:
+    """The files a HuggingFace index names, each checked to be a file inside ``folder``
+    (no absolute path, no ``..``, no link leading out: docs/design.md, pitfall 17)."""
+    index = folder / INDEX
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index}: not a safetensors index ({exc!r})") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: weight_map must be an object from tensor names to file names")
+    root = folder.resolve()
+    files = []
+    for name in sorted(set(weight_map.values())):
+        file = folder / name
+        if Path(name).is_absolute() or ".." in Path(name).parts or not file.resolve().is_relative_to(root):
+            raise CheckpointError(f"{index}: {name!r} is outside {folder}; an index may only name "
+                                  "files in its own folder")
         if not file.is_file():
             raise CheckpointError(f"{file}: listed in the index but missing")
-        try:
-            out[file] = SafetensorsFile(file).keys()
-        except (ValueError, OSError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
-    return out
+        files.append(file)
+    return files
 
 
 def state_names(model: nn.Module, layout: ShardLayout = WHOLE) -> dict[str, torch.Tensor]:
@@ -236,10 +284,10 @@ def _key_renamer(model: nn.Module) -> Callable[[str], str] | None:
     return checkpoint_renamer(model) if is_pretrained_model(model) else None
 
 
-def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
-                           available: dict[str, Path], file_key: dict[str, str],
+def _fill_from_safetensors(model: nn.Module, groups: list[list[str]], match: _Match,
                            layout: ShardLayout) -> tuple[int, int]:
     names = state_names(model, layout)
+    available, file_key = match.available, match.file_key
     parts = layout.parts
     by_file: dict[Path, list[tuple[str, list[str]]]] = defaultdict(list)
     for group in groups:
@@ -250,16 +298,11 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]],
     total = sum(len(items) for items in by_file.values())
     with torch.no_grad(), Progress("loading", total) as progress:
         for file, items in by_file.items():
-            handle = SafetensorsFile(file)
+            handle = match.files[file]
             for name_in_model, group in items:
                 target = names[group[0]]
                 source = file_key[name_in_model]
-                full_shape = handle.shape(source)
                 target_parts = parts.get(id(target))
-                model_shape = target_parts[0].full_shape if target_parts else tuple(target.shape)
-                if full_shape != model_shape:
-                    raise CheckpointError(
-                        f"{source}: checkpoint shape {full_shape} != model shape {model_shape}")
                 if target_parts is not None:  # tied names share the parameter and its parts
                     read += _fill_flat_parts(handle, source, target_parts)
                     loaded += 1

@@ -8,7 +8,10 @@ tensors are streamed one at a time: the writer never holds more than one tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,12 +19,21 @@ from typing import BinaryIO
 
 import torch
 
-__all__ = ["DTYPE_NAMES", "SafetensorsFile", "SafetensorsWriter"]
+from annot.errors import CheckpointError
+
+__all__ = ["DTYPES", "DTYPE_NAMES", "SafetensorsFile", "SafetensorsWriter", "TensorEntry", "parse_header"]
+
+MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
+}
+# Read: every dtype name the safetensors format defines that torch has.
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()} | {
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -69,8 +81,87 @@ class SafetensorsWriter:
         self.file.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors header: its dtype, shape and byte range in the data."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    seen: dict[str, object] = {}
+    for key, value in pairs:
+        if key in seen:  # json.loads would keep the last one silently
+            raise CheckpointError(f"the header names {key!r} twice")
+        seen[key] = value
+    return seen
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_header(raw: bytes, data_size: int) -> dict[str, TensorEntry]:
+    """Check a safetensors header as strictly as the safetensors library does and return
+    its tensors. ``data_size`` is the number of bytes after the header.
+
+    Refused (`CheckpointError` naming the key): JSON that is not an object of objects,
+    a key given twice, an unknown dtype, a shape or offsets that are not lists of
+    non-negative integers, a byte range whose length is not dtype x shape, ranges that
+    overlap, leave gaps or do not end exactly at the end of the data (a truncated or
+    padded file). Callers prefix the file name."""
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"the header is not UTF-8 JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError("the header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError("__metadata__ is not an object of strings")
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise CheckpointError(f"{name}: an entry needs exactly dtype, shape and data_offsets")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise CheckpointError(f"{name}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise CheckpointError(f"{name}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(_is_count(o) for o in offsets) or offsets[1] < offsets[0]):
+            raise CheckpointError(f"{name}: data_offsets {offsets!r} is not [begin, end]")
+        nbytes = math.prod(shape) * _itemsize(DTYPES[dtype])
+        if offsets[1] - offsets[0] != nbytes:
+            raise CheckpointError(f"{name}: {offsets[1] - offsets[0]} bytes of data for {dtype} "
+                                  f"{shape}, which needs {nbytes}")
+        entries[name] = TensorEntry(DTYPES[dtype], tuple(shape), offsets[0], offsets[1])
+    end = 0  # the ranges must tile the data exactly, as the safetensors library requires
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != end:
+            what = "overlaps the tensor before it" if entry.begin < end else "leaves a gap before it"
+            raise CheckpointError(f"{name}: data_offsets {[entry.begin, entry.end]} {what}")
+        if entry.end > data_size:
+            raise CheckpointError(f"{name}: the file ends before its data (truncated: "
+                                  f"{data_size} bytes of data, this tensor ends at {entry.end})")
+        end = entry.end
+    if end != data_size:
+        raise CheckpointError(f"{data_size - end} bytes after the last tensor's data")
+    return entries
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 class SafetensorsFile:
-    """Read tensors, or dim-0 row ranges of them, with plain positioned reads.
+    """Read tensors, or dim-0 row ranges of them, with plain positioned reads, from a file
+    whose header passed `parse_header` (every failure is a `CheckpointError` naming the
+    file and, where there is one, the key).
 
     No memory map: mapped pages would count in the process's resident memory and stay
     there while the file is open; here only the rows asked for are read, straight into
@@ -79,47 +170,53 @@ class SafetensorsFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError("file too short for a safetensors header")
-            (length,) = struct.unpack("<Q", raw)
-            if length > 100 * 2**20:
-                raise ValueError(f"header of {length} bytes is not plausible")
-            header = json.loads(f.read(length))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-        header.pop("__metadata__", None)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(8)
+                if len(raw) != 8:
+                    raise CheckpointError(f"{path}: too short for a safetensors header")
+                (length,) = struct.unpack("<Q", raw)
+                size = os.fstat(f.fileno()).st_size
+                if length > MAX_HEADER or 8 + length > size:
+                    raise CheckpointError(f"{path}: a header of {length} bytes is not plausible "
+                                          f"in a file of {size} bytes")
+                header = f.read(length)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+        try:
+            self.entries = parse_header(header, size - 8 - length)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
         self.data_start = 8 + length
-        self.entries: dict[str, dict] = header
-        self._dtypes = {v: k for k, v in DTYPE_NAMES.items()}
-        for name, entry in header.items():
-            if entry.get("dtype") not in self._dtypes:
-                raise ValueError(f"{name}: unsupported dtype {entry.get('dtype')!r}")
 
     def keys(self) -> list[str]:
         return list(self.entries)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.entries[name]["shape"])
+        return self.entries[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entries[name].dtype
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows ``start:stop`` along dim 0 (all of it by default)."""
+        """Rows ``start:stop`` along dim 0 (all of it by default), in the file's dtype."""
         entry = self.entries[name]
-        shape = list(entry["shape"])
-        dtype = self._dtypes[entry["dtype"]]
-        begin, end = entry["data_offsets"]
+        shape = list(entry.shape)
         if not shape:  # a scalar
             start, stop = 0, 1
-            row_bytes = end - begin
+            row_bytes = entry.end - entry.begin
         else:
             start = 0 if start is None else start
             stop = shape[0] if stop is None else stop
-            row_bytes = (end - begin) // shape[0] if shape[0] else 0
+            row_bytes = (entry.end - entry.begin) // shape[0] if shape[0] else 0
             shape[0] = stop - start
         out = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)
-        with open(self.path, "rb") as f:
-            f.seek(self.data_start + begin + start * row_bytes)
-            if out.numel() and f.readinto(out.numpy().data) != out.numel():  # .data: a memoryview
-                raise ValueError(f"{name}: file ends before its data")
-        return out.view(dtype).reshape(shape)
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.data_start + entry.begin + start * row_bytes)
+                got = f.readinto(out.numpy().data) if out.numel() else 0  # .data: a memoryview
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: {name}: cannot read ({exc.strerror or exc})") from None
+        if got != out.numel():  # the file shrank after its header was checked
+            raise CheckpointError(f"{self.path}: {name}: the file ends before its data")
+        return out.view(entry.dtype).reshape(shape)

@@ -4,13 +4,18 @@ PEFT model, PEFT's adapter format or the merged base model.
 A save is a list of `Entry` (a name, the full shape and dtype, and how to fetch the whole
 tensor). Tensors are fetched one at a time (a DTensor's ``full_tensor()``, or the
 engine's gather for a flat-sharded parameter) and rank 0 streams each straight into its
-file, so no rank ever holds more than one full tensor (FSDP1: one unit). The files go to
-a temporary directory that is renamed into place at the end: a save that fails leaves
-nothing half-written where the checkpoint should be.
+file, so no rank ever holds more than one full tensor (FSDP1: one unit). A save that fails
+leaves nothing half-written where the checkpoint should be.
+
+The files are staged in a hidden folder inside ``directory`` and moved in by
+`annot.checkpoint_io.commit`: only the checkpoint's own files (weights, index, configs)
+are replaced, anything else in the folder is left as it was, and a kill at any instant
+leaves the old or the new checkpoint loadable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,6 +27,7 @@ import torch
 from torch import nn
 
 from annot._progress import Progress
+from annot.checkpoint_io.commit import commit_weights, fsync_file, staging, weight_files
 from annot.checkpoint_io.entries import Entry
 from annot.checkpoint_io.entries import entry as model_entry
 from annot.checkpoint_io.loading import INDEX, SINGLE, state_names
@@ -58,8 +64,13 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *,
     (`annot.save` asks the engines).
     """
     directory = Path(directory)
-    if directory.exists() and any(directory.iterdir()) and not overwrite:
-        raise CheckpointError(f"{directory} exists and is not empty: pass overwrite=True to replace it")
+    single = ADAPTER_FILE if peft == "adapter" else SINGLE
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"{directory} is a file; annot.save writes a folder")
+    existing = weight_files(directory, single) if directory.is_dir() else []
+    if existing and not overwrite:
+        raise CheckpointError(f"{directory} already holds a checkpoint ({existing[0].name}): pass "
+                              "overwrite=True to replace it (other files in the folder are kept)")
     if peft is None and is_peft_model(model):
         raise CheckpointError(
             f"{type(model).__name__} is a PEFT model: pass peft='adapter' (PEFT's adapter "
@@ -77,14 +88,14 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *,
 
     if peft == "adapter":
         entries, adapter_config = adapter_entries(model, _tensors(model, layout), layout)
-        return _write(directory, entries, out_dtype, max_shard_bytes=None, single=ADAPTER_FILE,
+        return _write(directory, entries, out_dtype, max_shard_bytes=None, single=single,
                       extra=lambda tmp: adapter_config.save_pretrained(tmp))
     if peft == "merged":
         entries, config = merged_entries(model, _tensors(model, layout), layout)
     else:
         entries = [model_entry(name, t, layout) for name, t in _tensors(model, layout).items()]
         config = getattr(layout.bare_model(model), "config", None)
-    return _write(directory, entries, out_dtype, max_shard_bytes=max_shard_bytes, single=SINGLE,
+    return _write(directory, entries, out_dtype, max_shard_bytes=max_shard_bytes, single=single,
                   extra=(lambda tmp: config.save_pretrained(tmp))
                   if config is not None and hasattr(config, "save_pretrained") else None)
 
@@ -105,22 +116,19 @@ def _tensors(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Tensor]:
 def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], torch.dtype], *,
            max_shard_bytes: int | None, single: str,
            extra: Callable[[Path], Any] | None) -> list[Path]:
-    """Stream ``entries`` into safetensors files in a temporary directory (rank 0), add
-    what ``extra(tmp)`` writes (configs), then rename it into place."""
+    """Stream ``entries`` into safetensors files staged inside ``directory`` (rank 0), add
+    what ``extra(staged)`` writes (configs), then commit them (`commit_weights`)."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     shards = _split(entries, max_shard_bytes, out_dtype)
-    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
-    files = [tmp / (single if len(shards) == 1 else _shard_name(i, len(shards)))
-             for i in range(len(shards))]
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    names = [single if len(shards) == 1 else _shard_name(i, len(shards)) for i in range(len(shards))]
+    created = not directory.exists()
+    staged = staging(directory) if rank == 0 else None
     try:
         with Progress("saving", len(entries)) as progress:
-            for file, shard in zip(files, shards, strict=True):
+            for name, shard in zip(names, shards, strict=True):
                 writer = None
-                if rank == 0:
-                    writer = SafetensorsWriter(file, [(e.name, e.shape, out_dtype(e)) for e in shard])
+                if staged is not None:
+                    writer = SafetensorsWriter(staged / name, [(e.name, e.shape, out_dtype(e)) for e in shard])
                 for entry in shard:
                     full = entry.fetch()  # collective for sharded tensors: every rank calls
                     if writer is not None:
@@ -128,18 +136,22 @@ def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], t
                     progress.advance()
                 if writer is not None:
                     writer.close()
-        if rank == 0:
-            _write_index(tmp, shards, files, out_dtype)
+                    fsync_file(staged / name)
+        if staged is not None:
+            _write_index(staged, shards, names, out_dtype)
             if extra is not None:
-                extra(tmp)
-            _replace(tmp, directory)
+                extra(staged)
+            commit_weights(directory, staged, single, INDEX)
     except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+            if created:  # a folder this save made, now empty again
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
         raise
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    return [directory / f.name for f in files]
+    return [directory / name for name in names]
 
 
 def _nbytes(entry: Entry, out_dtype: Callable[[Entry], torch.dtype]) -> int:
@@ -167,21 +179,11 @@ def _shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def _write_index(tmp: Path, shards: list[list[Entry]], files: list[Path],
+def _write_index(staged: Path, shards: list[list[Entry]], names: list[str],
                  out_dtype: Callable[[Entry], torch.dtype]) -> None:
     if len(shards) == 1:
         return
     total = sum(_nbytes(e, out_dtype) for shard in shards for e in shard)
-    weight_map = {e.name: file.name for file, shard in zip(files, shards, strict=True) for e in shard}
-    (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-
-
-def _replace(tmp: Path, directory: Path) -> None:
-    """Put ``tmp`` where ``directory`` is, keeping the old one until the new one is in."""
-    if directory.exists():
-        old = directory.parent / f".{directory.name}.old-{os.getpid()}"
-        directory.rename(old)
-        tmp.rename(directory)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(directory)
+    weight_map = {e.name: name for name, shard in zip(names, shards, strict=True) for e in shard}
+    (staged / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    fsync_file(staged / INDEX)
