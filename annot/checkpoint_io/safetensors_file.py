@@ -39,7 +39,7 @@ DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()} | {
 
 class SafetensorsWriter:
     """Write ``entries`` (name, shape, dtype), in that order, to ``path``: call
-    `write(name, tensor)` once per entry, in order, then `close()`."""
+    `write(name, tensor)` once per entry, in order, then `close()` (which fsyncs)."""
 
     def __init__(self, path: Path, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
                  metadata: dict[str, str] | None = None) -> None:
@@ -78,6 +78,8 @@ class SafetensorsWriter:
         if self.next != len(self.order):
             self.file.close()
             raise ValueError(f"only {self.next} of {len(self.order)} tensors were written")
+        self.file.flush()
+        os.fsync(self.file.fileno())  # on disk before any rename makes it the checkpoint
         self.file.close()
 
 

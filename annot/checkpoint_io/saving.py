@@ -136,7 +136,6 @@ def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], t
                     progress.advance()
                 if writer is not None:
                     writer.close()
-                    fsync_file(staged / name)
         if staged is not None:
             _write_index(staged, shards, names, out_dtype)
             if extra is not None:
