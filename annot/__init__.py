@@ -89,6 +89,7 @@ _EXPORTS = {
     "MetaDeviceError": "annot.errors",
     "OptimizerOrderError": "annot.errors",
     "ProcessGroupNotInitializedError": "annot.errors",
+    "init_distributed": "annot.process_group",
 }
 
 __all__ = [
@@ -119,6 +120,7 @@ __all__ = [
     "every_nth",
     "fsdp1_policies",
     "from_pretrained",
+    "init_distributed",
     "get_mark",
     "load",
     "mark",
