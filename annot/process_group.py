@@ -31,7 +31,7 @@ import torch.distributed as dist
 __all__ = ["DEFAULT_TIMEOUT_S", "init_distributed"]
 
 DEFAULT_TIMEOUT_S = 600.0  # long enough for a checkpoint save, far below torch's 30 minutes
-_DONE = b"done"
+_DONE = "done"
 
 
 def init_distributed(backend: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S,
@@ -95,7 +95,7 @@ class _Heartbeat(threading.Thread):
             except Exception:  # noqa: BLE001 - the job is ending; nothing left to watch
                 return
             now = time.monotonic()
-            if beat == _DONE:
+            if beat == _DONE.encode():
                 return
             if beat != last[0]:
                 last = (beat, now)

@@ -9,7 +9,6 @@ fails. torchrun then waits a further 30 s for a stopped rank before killing it (
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
