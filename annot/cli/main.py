@@ -114,6 +114,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     from annot.policies import AnnotError, PlanError, Policy, default_policy, make_plan, parse_rule
 
     try:
+        for option in ("batch", "seq"):
+            if getattr(args, option) is not None and getattr(args, option) < 1:
+                raise ValueError(f"--{option} must be at least 1, got {getattr(args, option)}")
         gpu_mem = _size(args.gpu_mem, "--gpu-mem")
         host_mem = _size(args.host_mem, "--host-mem")
         options = read_options(args.kwargs, args.config)

@@ -39,7 +39,12 @@ def read_options(kwargs: str | None, config: str | None) -> dict[str, Any]:
         path = Path(config)
         if not path.is_file():
             raise TargetError(f"--config {config}: no such file")
-        text = path.read_text()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise TargetError(f"--config {config}: not UTF-8 text (JSON and YAML files are)") from None
+        except OSError as exc:
+            raise TargetError(f"--config {config}: cannot read ({exc.strerror or exc})") from None
         if path.suffix in (".yaml", ".yml"):
             try:
                 import yaml
@@ -177,7 +182,7 @@ def _build_hf(model_type: str | None, options: dict[str, Any], directory: Path |
             if model_type is None:  # build_target passes a model type or a directory
                 raise AssertionError("_build_hf needs a model type or a directory")
             config = transformers.AutoConfig.for_model(model_type, **options)
-    except (ValueError, KeyError, OSError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' config validation raises its own types
         what = f"hf:{model_type}" if directory is None else str(directory)
         raise TargetError(f"{what}: {_one_line(exc)}") from None
     from annot.huggingface.model import model_factory
@@ -195,5 +200,7 @@ def _build_hf(model_type: str | None, options: dict[str, Any], directory: Path |
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    """The exception on one line. transformers' validation errors put the reason on the
+    lines after a generic first one, so up to three lines are joined."""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines()[:3])
+    return f"{type(exc).__name__}: {text}".rstrip(": ")
