@@ -8,7 +8,7 @@ file, so no rank ever holds more than one full tensor (FSDP1: one unit). A save 
 leaves nothing half-written where the checkpoint should be.
 
 The files are staged in a hidden folder inside ``directory`` and moved in by
-`annot.checkpoint_io.commit`: only the checkpoint's own files (weights, index, configs)
+`annot.checkpoint_io.weights_commit`: only the checkpoint's own files (weights, index, configs)
 are replaced, anything else in the folder is left as it was, and a kill at any instant
 leaves the old or the new checkpoint loadable.
 """
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from annot._progress import Progress
-from annot.checkpoint_io.commit import commit_weights, fsync_file, staging, weight_files
+from annot.checkpoint_io.weights_commit import commit_weights, fsync_file, staging, weight_files
 from annot.checkpoint_io.entries import Entry
 from annot.checkpoint_io.entries import entry as model_entry
 from annot.checkpoint_io.loading import INDEX, SINGLE, state_names

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import annot
-from annot.checkpoint_io import commit
+from annot.checkpoint_io import weights_commit as commit
 from examples.gpt.model import GPT
 
 SHAPE = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=97, block_size=32)
