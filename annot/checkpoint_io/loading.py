@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -278,10 +279,18 @@ def _rows(target: torch.Tensor) -> tuple[int, int] | None:
 def _key_renamer(model: nn.Module) -> Callable[[str], str] | None:
     """How checkpoint keys become model names: transformers' renaming for a
     ``PreTrainedModel`` (files written by ``save_pretrained`` may use legacy names), and
-    the base model's names mapped onto a PEFT model's; ``None`` for any other model."""
-    if is_peft_model(model):
-        return peft_renamer(model)
-    return checkpoint_renamer(model) if is_pretrained_model(model) else None
+    the base model's names mapped onto a PEFT model's; ``None`` for any other model.
+    Kept per model: transformers builds its renaming rules in about 0.4 s, and one
+    ``from_pretrained`` matches keys up to three times (strict check, shape check, load)."""
+    if model not in _RENAMERS:
+        if is_peft_model(model):
+            _RENAMERS[model] = peft_renamer(model)
+        else:
+            _RENAMERS[model] = checkpoint_renamer(model) if is_pretrained_model(model) else None
+    return _RENAMERS[model]
+
+
+_RENAMERS: weakref.WeakKeyDictionary[nn.Module, Callable[[str], str] | None] = weakref.WeakKeyDictionary()
 
 
 def _fill_from_safetensors(model: nn.Module, groups: list[list[str]], match: _Match,
@@ -308,23 +317,50 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]], match: _Ma
                     loaded += 1
                     progress.advance()
                     continue
-                rows = _rows(target)
-                value = handle.read(source, *rows) if rows is not None else handle.read(source)
-                read += value.numel() * value.element_size()
-                for name in group:  # tied names may be distinct objects (to_empty)
-                    here = local(names[name])
-                    if here.numel():
-                        here.copy_(value)
+                read += _fill_tensor(handle, source, [local(names[name]) for name in group], _rows(target))
                 loaded += 1
                 progress.advance()
     return loaded, read
 
 
+def _direct(handle: SafetensorsFile, source: str, destination: torch.Tensor) -> bool:
+    """Whether the file's bytes can go straight into ``destination`` (same dtype, one
+    contiguous CPU block): one read, no buffer, no second copy."""
+    return (destination.dtype == handle.dtype(source) and destination.is_contiguous()
+            and destination.device.type == "cpu")
+
+
+def _fill_tensor(handle: SafetensorsFile, source: str, targets: list[torch.Tensor],
+                 rows: tuple[int, int] | None) -> int:
+    """Fill ``targets`` (one tensor, or tied names' distinct copies) with rows ``rows`` of
+    ``source`` (all rows when ``None``); returns the bytes read."""
+    first = targets[0]
+    if not first.numel():
+        return 0
+    if _direct(handle, source, first):
+        start = rows[0] if rows is not None else 0
+        read = handle.read_into(source, first, start * math.prod(handle.shape(source)[1:]))
+        value = first
+    else:  # another dtype (converted here) or a layout that needs a copy
+        value = handle.read(source, *rows) if rows is not None else handle.read(source)
+        read = value.numel() * value.element_size()
+        first.copy_(value)
+    for other in targets[1:]:  # tied names may be distinct objects (to_empty)
+        if other is not first and other.numel():
+            other.copy_(value)
+    return read
+
+
 def _fill_flat_parts(handle: SafetensorsFile, source: str, parts: list[FlatPart]) -> int:
-    """Read the rows covering each flat part of ``source`` into it; returns bytes read."""
+    """Read the elements each flat part of ``source`` holds into it (the exact byte range
+    when the dtypes agree, else the rows covering it); returns bytes read."""
     read = 0
     for part in parts:
         if part.stop <= part.start:
+            continue
+        destination = part.destination[:part.stop - part.start]
+        if _direct(handle, source, destination):
+            read += handle.read_into(source, destination, part.start)
             continue
         per_row = math.prod(part.full_shape[1:])
         if part.full_shape:
@@ -334,7 +370,7 @@ def _fill_flat_parts(handle: SafetensorsFile, source: str, parts: list[FlatPart]
         else:  # a scalar
             rows, offset = handle.read(source).reshape(-1), 0
         read += rows.numel() * rows.element_size()
-        part.destination[:part.stop - part.start].copy_(rows[part.start - offset:part.stop - offset])
+        destination.copy_(rows[part.start - offset:part.stop - offset])
     return read
 
 

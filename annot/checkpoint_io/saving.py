@@ -27,12 +27,12 @@ import torch
 from torch import nn
 
 from annot._progress import Progress
-from annot.checkpoint_io.weights_commit import commit_weights, fsync_file, staging, weight_files
 from annot.checkpoint_io.entries import Entry
 from annot.checkpoint_io.entries import entry as model_entry
 from annot.checkpoint_io.loading import INDEX, SINGLE, state_names
 from annot.checkpoint_io.peft_export import adapter_entries, merged_entries
 from annot.checkpoint_io.safetensors_file import SafetensorsWriter
+from annot.checkpoint_io.weights_commit import commit_weights, fsync_file, staging, weight_files
 from annot.errors import CheckpointError
 from annot.huggingface.model import is_peft_model
 from annot.meta.layout import WHOLE, ShardLayout, local
