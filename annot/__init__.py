@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         EngineNotAvailableError,
         MetaDeviceError,
         OptimizerOrderError,
+        PolicySelectionError,
         ProcessGroupNotInitializedError,
     )
     from annot.huggingface.pretrained import PretrainedPathError, from_pretrained
@@ -88,6 +89,7 @@ _EXPORTS = {
     "EngineNotAvailableError": "annot.errors",
     "MetaDeviceError": "annot.errors",
     "OptimizerOrderError": "annot.errors",
+    "PolicySelectionError": "annot.errors",
     "ProcessGroupNotInitializedError": "annot.errors",
 }
 
@@ -105,6 +107,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "Policy",
+    "PolicySelectionError",
     "PretrainedPathError",
     "ProcessGroupNotInitializedError",
     "Trainable",
