@@ -18,7 +18,7 @@ the root last; `shard_layout` says where each parameter's shard is, for filling 
 from __future__ import annotations
 
 import dataclasses
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -232,7 +232,8 @@ def apply_fsdp1(
     allocator = UnitAllocator(model, device)
     wrapped = FullyShardedDataParallel(
         model,
-        auto_wrap_policy=wrap_policy,
+        # FSDP1 runs any _Policy; its annotation lists only torch's own policy classes.
+        auto_wrap_policy=cast(Any, wrap_policy),
         sharding_strategy=(
             ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
         ),
