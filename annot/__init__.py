@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from annot._version import __version__ as __version__
 
 if TYPE_CHECKING:
+    from annot.engines.activation_checkpointing import apply_checkpointing
     from annot.engines.base import Trainable
     from annot.engines.ddp import DDPOptions
     from annot.engines.deepspeed import DeepSpeedOptions
@@ -75,6 +76,7 @@ _EXPORTS = {
     "load": "annot.values",
     "save": "annot.values",
     "Trainable": "annot.engines.base",
+    "apply_checkpointing": "annot.engines.activation_checkpointing",
     "FSDP2Options": "annot.engines.fsdp2",
     "FSDP1Options": "annot.engines.fsdp1",
     "DDPOptions": "annot.engines.ddp",
@@ -111,6 +113,7 @@ __all__ = [
     "PretrainedPathError",
     "ProcessGroupNotInitializedError",
     "Trainable",
+    "apply_checkpointing",
     "auto_wrap",
     "by_class",
     "by_name",
