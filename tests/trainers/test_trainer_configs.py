@@ -21,6 +21,7 @@ def gpt() -> GPT:
 
 # deepspeed_config(for_=...) ------------------------------------------------------------
 
+@pytest.mark.slow  # Lightning's DeepSpeedStrategy imports deepspeed (~10 s)
 def test_lightning_deepspeed_strategy_formats_annots_config():
     L = pytest.importorskip("lightning")
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -53,6 +54,7 @@ def test_lightning_deepspeed_strategy_formats_annots_config():
         plain._format_config()
 
 
+@pytest.mark.slow
 def test_hf_trainer_fills_annots_config_from_its_arguments(tmp_path):
     transformers = pytest.importorskip("transformers")
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
