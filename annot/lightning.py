@@ -86,6 +86,35 @@ def _engine_is_fsdp2(engine: str) -> None:
             "DeepSpeedStrategy(config=...) and annot.apply_checkpointing(model, engine='deepspeed')")
 
 
+def _lightning_own(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pops the ``ModelParallelStrategy`` arguments out of ``kwargs`` (the rest is annot's)."""
+    keys = ("save_distributed_checkpoint", "process_group_backend", "timeout")
+    return {k: kwargs.pop(k) for k in keys if k in kwargs}
+
+
+def _whole_world_data_parallel(strategy: Any) -> None:
+    """``data_parallel_size="auto"``: the whole world (over the tensor-parallel size), not
+    Lightning's node count, which leaves one node's ranks unsynchronised."""
+    if strategy._data_parallel_size == "auto":
+        tp = strategy._tensor_parallel_size
+        strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes // (
+            1 if tp == "auto" else int(tp))
+
+
+def _redirected(method: str, context: str) -> Any:
+    """A Trainer strategy's ``<method>`` that runs the LightningModule's ``method`` through
+    its ``forward`` (Lightning's forward redirection, the module being its own wrapper),
+    inside the precision plugin's ``context``."""
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with getattr(self.precision_plugin, context)():
+            return self._forward_redirection(self.model, self.lightning_module, method,
+                                             *args, **kwargs)
+
+    step.__name__ = method
+    return step
+
+
 @contextlib.contextmanager
 def _annot_empty_init(empty_init: bool | None, inner: Any) -> Iterator[None]:
     """Lightning's ``empty_init=True`` as `annot.meta_init` (values recorded, replayed
@@ -124,17 +153,12 @@ def _trainer_strategy() -> type:
                      checkpoint: bool | None = None, data_parallel_size: Any = "auto",
                      tensor_parallel_size: Any = 1, **kwargs: Any) -> None:
             _engine_is_fsdp2(engine)
-            lightning_keys = ("save_distributed_checkpoint", "process_group_backend", "timeout")
             super().__init__(data_parallel_size=data_parallel_size,
-                             tensor_parallel_size=tensor_parallel_size,
-                             **{k: kwargs.pop(k) for k in lightning_keys if k in kwargs})
+                             tensor_parallel_size=tensor_parallel_size, **_lightning_own(kwargs))
             self._annot = dict(policy=policy, checkpoint=checkpoint, **kwargs)
 
         def setup_environment(self) -> None:
-            if self._data_parallel_size == "auto":  # the whole world, not the node count
-                tp = self._tensor_parallel_size
-                self._data_parallel_size = self.num_nodes * self.num_processes // (
-                    1 if tp == "auto" else int(tp))
+            _whole_world_data_parallel(self)
             super().setup_environment()
 
         def setup(self, trainer: Any) -> None:
@@ -163,26 +187,10 @@ def _trainer_strategy() -> type:
 
         # The LightningModule is the FSDP2 root: its steps go through its forward, so the
         # root's hooks (all-gather of what no unit holds, backward hooks) run.
-        def training_step(self, *args: Any, **kwargs: Any) -> Any:
-            with self.precision_plugin.train_step_context():
-                return self._redirect("training_step", *args, **kwargs)
-
-        def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-            with self.precision_plugin.val_step_context():
-                return self._redirect("validation_step", *args, **kwargs)
-
-        def test_step(self, *args: Any, **kwargs: Any) -> Any:
-            with self.precision_plugin.test_step_context():
-                return self._redirect("test_step", *args, **kwargs)
-
-        def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-            with self.precision_plugin.predict_step_context():
-                return self._redirect("predict_step", *args, **kwargs)
-
-        def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
-            assert self.model is not None and self.lightning_module is not None
-            return self._forward_redirection(self.model, self.lightning_module, method,
-                                             *args, **kwargs)
+        training_step = _redirected("training_step", "train_step_context")
+        validation_step = _redirected("validation_step", "val_step_context")
+        test_step = _redirected("test_step", "test_step_context")
+        predict_step = _redirected("predict_step", "predict_step_context")
 
     AnnotStrategy.__qualname__ = AnnotStrategy.__name__ = "Strategy"
     AnnotStrategy.__module__ = __name__
@@ -201,20 +209,15 @@ def _fabric_strategy() -> type:
                      checkpoint: bool | None = None, data_parallel_size: Any = "auto",
                      tensor_parallel_size: Any = 1, **kwargs: Any) -> None:
             _engine_is_fsdp2(engine)
-            lightning_keys = ("save_distributed_checkpoint", "process_group_backend", "timeout")
             super().__init__(self._parallelize, data_parallel_size=data_parallel_size,
-                             tensor_parallel_size=tensor_parallel_size,
-                             **{k: kwargs.pop(k) for k in lightning_keys if k in kwargs})
+                             tensor_parallel_size=tensor_parallel_size, **_lightning_own(kwargs))
             self._annot = dict(policy=policy, checkpoint=checkpoint, **kwargs)
 
         def _parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
             return parallelize(module, mesh, device=self.root_device, **self._annot)
 
         def setup_environment(self) -> None:
-            if self._data_parallel_size == "auto":  # the whole world, not the node count
-                tp = self._tensor_parallel_size
-                self._data_parallel_size = self.num_nodes * self.num_processes // (
-                    1 if tp == "auto" else int(tp))
+            _whole_world_data_parallel(self)
             super().setup_environment()
 
         def module_init_context(self, empty_init: bool | None = None) -> Any:
