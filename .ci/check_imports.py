@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engines", ("annot.engines",)),
     ("wrap, values", ("annot.wrap", "annot.values")),
     ("huggingface.pretrained", ("annot.huggingface.pretrained",)),
+    ("trainer integrations", ("annot.lightning", "annot.accelerate")),
     ("memory", ("annot.memory",)),
     ("cli", ("annot.cli",)),
     ("package root (lazy re-exports)", ("annot",)),

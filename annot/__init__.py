@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from annot._version import __version__ as __version__
 
 if TYPE_CHECKING:
+    from annot.engines.activation_checkpointing import apply_checkpointing
     from annot.engines.base import Trainable
     from annot.engines.ddp import DDPOptions
     from annot.engines.deepspeed import DeepSpeedOptions
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
         EngineNotAvailableError,
         MetaDeviceError,
         OptimizerOrderError,
+        PolicySelectionError,
         ProcessGroupNotInitializedError,
     )
     from annot.huggingface.pretrained import PretrainedPathError, from_pretrained
@@ -74,6 +76,7 @@ _EXPORTS = {
     "load": "annot.values",
     "save": "annot.values",
     "Trainable": "annot.engines.base",
+    "apply_checkpointing": "annot.engines.activation_checkpointing",
     "FSDP2Options": "annot.engines.fsdp2",
     "FSDP1Options": "annot.engines.fsdp1",
     "DDPOptions": "annot.engines.ddp",
@@ -88,6 +91,7 @@ _EXPORTS = {
     "EngineNotAvailableError": "annot.errors",
     "MetaDeviceError": "annot.errors",
     "OptimizerOrderError": "annot.errors",
+    "PolicySelectionError": "annot.errors",
     "ProcessGroupNotInitializedError": "annot.errors",
     "init_distributed": "annot.process_group",
 }
@@ -106,9 +110,11 @@ __all__ = [
     "Plan",
     "PlanError",
     "Policy",
+    "PolicySelectionError",
     "PretrainedPathError",
     "ProcessGroupNotInitializedError",
     "Trainable",
+    "apply_checkpointing",
     "auto_wrap",
     "by_class",
     "by_name",

@@ -14,6 +14,7 @@ __all__ = [
     "EngineNotAvailableError",
     "MetaDeviceError",
     "OptimizerOrderError",
+    "PolicySelectionError",
     "ProcessGroupNotInitializedError",
 ]
 
@@ -36,3 +37,8 @@ class EngineNotAvailableError(AnnotError, NotImplementedError):
 
 class CheckpointError(AnnotError, ValueError):
     """A checkpoint is missing, malformed, or does not match the model."""
+
+
+class PolicySelectionError(AnnotError, ValueError):
+    """A policy annot handed to another tool (FSDP1's wrap policy, a checkpointing policy)
+    selects nothing on the module that tool gave it (docs/design.md, pitfalls 8 and 15)."""

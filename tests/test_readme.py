@@ -37,3 +37,5 @@ def test_readme_python_blocks_run(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "tied parameters are split across shard units" in result.stdout
     assert "LlamaDecoderLayer" in result.stdout and "llama, 3 steps: loss" in result.stdout
+    assert "lightning, 3 steps: loss" in result.stdout
+    assert "hf trainer, 3 steps: loss" in result.stdout

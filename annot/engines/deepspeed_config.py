@@ -34,6 +34,7 @@ def deepspeed_config(
     gradient_clipping: float = 0.0,
     partition_activations: bool = False,
     cpu_checkpointing: bool = False,
+    for_: str | None = None,
 ) -> dict[str, Any]:
     """The config for ``deepspeed.initialize(model=..., optimizer=..., config=...)``.
 
@@ -46,7 +47,20 @@ def deepspeed_config(
     (off), unlike DeepSpeed. The ``activation_checkpointing`` section counts the Plan's
     checkpointed units; DeepSpeed reads it only once ``deepspeed.checkpointing.configure``
     has run with this config (docs/design.md, pitfall 9).
+
+    ``for_``: the trainer that will own the run. ``"lightning"`` (``DeepSpeedStrategy(
+    config=...)``) leaves out what Lightning sets from the Trainer (micro batch from the
+    loader, ``accumulate_grad_batches``, ``gradient_clip_val`` (default 0), precision),
+    and configures activation checkpointing from the section. ``"hf"`` (the HuggingFace
+    Trainer's ``deepspeed=`` / Accelerate) writes those as ``"auto"``, filled from the
+    ``TrainingArguments`` (``max_grad_norm`` included: HF's default clips at 1.0). A
+    value given here for a key the trainer owns is refused, naming the trainer's
+    setting. Either way apply the Plan's checkpointing to the model yourself
+    (`annot.apply_checkpointing`), since neither trainer runs annot's engine.
     """
+    trainer_owned = _trainer_owned(for_, micro_batch_size=micro_batch_size,
+                                   gradient_accumulation_steps=gradient_accumulation_steps,
+                                   gradient_clipping=gradient_clipping, precision=precision)
     if isinstance(model_or_plan, Plan):
         plan = model_or_plan
     else:
@@ -97,7 +111,49 @@ def deepspeed_config(
         config["bf16"] = {"enabled": True}
     elif _PRECISIONS[precision] == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0}
+    for key in trainer_owned:
+        if for_ == "lightning":
+            config.pop(key)
+        else:
+            config[key] = "auto"
+    if for_ == "hf":  # precision from TrainingArguments(bf16=..., fp16=...)
+        config["bf16"] = {"enabled": "auto"}
+        config["fp16"] = {"enabled": "auto"}
     return config
+
+
+# The keys each trainer sets itself -> the trainer's own setting, for messages.
+_TRAINER_KEYS = {
+    "lightning": {"train_micro_batch_size_per_gpu": "the train loader's batch size",
+                  "gradient_accumulation_steps": "Trainer(accumulate_grad_batches=...)",
+                  "gradient_clipping": "Trainer(gradient_clip_val=...)"},
+    "hf": {"train_micro_batch_size_per_gpu": "TrainingArguments(per_device_train_batch_size=...)",
+           "train_batch_size": "the TrainingArguments' batch sizes",
+           "gradient_accumulation_steps": "TrainingArguments(gradient_accumulation_steps=...)",
+           "gradient_clipping": "TrainingArguments(max_grad_norm=...)"},
+}
+_PRECISION_OWNER = {"lightning": "Trainer(precision=...)", "hf": "TrainingArguments(bf16/fp16=...)"}
+
+
+def _trainer_owned(for_: str | None, *, micro_batch_size: int, gradient_accumulation_steps: int,
+                   gradient_clipping: float, precision: str | None) -> list[str]:
+    """The keys the trainer ``for_`` owns; refuses a non-default value given for one."""
+    if for_ is None:
+        return []
+    if for_ not in _TRAINER_KEYS:
+        raise ValueError(f"for_ must be None, 'lightning' or 'hf', got {for_!r}")
+    owned = _TRAINER_KEYS[for_]
+    given = {"train_micro_batch_size_per_gpu": micro_batch_size != 1,
+             "gradient_accumulation_steps": gradient_accumulation_steps != 1,
+             "gradient_clipping": gradient_clipping != 0.0}
+    wrong = [owned[key] for key, set_here in given.items() if set_here]
+    if precision not in (None, "fp32"):
+        wrong.append(_PRECISION_OWNER[for_])
+    if wrong:
+        raise ValueError(
+            f"deepspeed_config(for_={for_!r}): the trainer sets these itself; give them there: "
+            + ", ".join(wrong))
+    return list(owned)
 
 
 def _offload_target(plan: Plan, offload: str | None) -> str | None:

@@ -2,8 +2,10 @@
 
 `fsdp1_policies` turns a Plan into the two policies torch's FSDP1 and Lightning's
 ``FSDPStrategy(auto_wrap_policy=..., activation_checkpointing_policy=...)`` take. They
-select modules by identity (the Plan's paths resolved on this model instance), so a
-Plan made with any rule (by name, every-Nth, marks) carries over exactly.
+select the Plan's modules by path and class on whatever tree the tool hands them (a copy,
+the model built in ``configure_model``, a tree FSDP1 already wrapped: `PlanPolicy`), so a
+Plan made with any rule (by name, every-Nth, marks) carries over exactly, and one that
+matches nothing there is an error.
 
 `FSDP1` follows the engine contract (`annot.engines.base`): the Plan's modules are
 checkpointed first (annot's run-time checkpointing swaps ``forward`` on the instance and
@@ -16,7 +18,7 @@ the root last; `shard_layout` says where each parameter's shard is, for filling 
 from __future__ import annotations
 
 import dataclasses
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -26,7 +28,6 @@ from torch.distributed.fsdp import (
     MixedPrecision,
     ShardingStrategy,
 )
-from torch.distributed.fsdp.wrap import CustomPolicy
 
 from annot.engines.base import (
     Engine,
@@ -36,6 +37,7 @@ from annot.engines.base import (
     resolve_dtype,
     resolve_torch_offload,
 )
+from annot.engines.tool_policy import PlanPolicy
 from annot.errors import EngineNotAvailableError
 from annot.meta.deferred import DeferredInitError
 from annot.meta.layout import FlatPart, ShardLayout
@@ -169,17 +171,12 @@ def shard_layout(model: nn.Module) -> ShardLayout:
     return ShardLayout(parts, frozenset({WRAPPED_MODULE}), "fsdp1", gather)
 
 
-def _selecting(modules: list[nn.Module]) -> CustomPolicy:
-    chosen = {id(m) for m in modules}
-    return CustomPolicy(lambda module: id(module) in chosen)
-
-
 def fsdp1_policies(
     model: nn.Module,
     policy: Policy | Rule | Plan | None = None,
     *,
     checkpoint: bool | None = None,
-) -> tuple[CustomPolicy, CustomPolicy]:
+) -> tuple[PlanPolicy, PlanPolicy]:
     """``(auto_wrap_policy, activation_checkpointing_policy)`` for ``model``.
 
     ``policy`` is what `annot.auto_wrap` takes (a Policy, a rule, a Plan, or ``None`` for
@@ -189,12 +186,21 @@ def fsdp1_policies(
     ``apply_activation_checkpointing(auto_wrap_policy=...)``, or to Lightning's
     ``FSDPStrategy``. A unit grouping several modules (tied weights) cannot be one FSDP1
     unit: that raises `EngineNotAvailableError`.
+
+    Both select by the Plan's paths and classes on the module the tool passes them
+    (``model`` may be a different instance: a deepcopy, the model a ``LightningModule``
+    builds, or the user's model inside it), never by identity; one that selects nothing
+    there raises `annot.PolicySelectionError` (docs/design.md, pitfall 15). When the
+    checkpointing policy selects modules of a transformers model, that model's training
+    forwards run with ``use_cache=False`` (pitfall 14).
     """
     plan = resolve_plan(model, policy)
     _refuse_groups(plan)
-    shard = [model.get_submodule(u.path) for u in plan.units if u.has(Action.SHARD)]
-    checkpointed = [model.get_submodule(p) for p in unit_paths(plan, Action.CHECKPOINT, checkpoint)]
-    return _selecting(shard), _selecting(checkpointed)
+    shard = [u.path for u in plan.units if u.has(Action.SHARD)]
+    checkpointed = unit_paths(plan, Action.CHECKPOINT, checkpoint)
+    return (PlanPolicy(plan, shard, role="wrap"),
+            PlanPolicy(plan, checkpointed, role="activation checkpointing",
+                       no_cache_when_selected=True))
 
 
 def apply_fsdp1(
@@ -226,7 +232,8 @@ def apply_fsdp1(
     allocator = UnitAllocator(model, device)
     wrapped = FullyShardedDataParallel(
         model,
-        auto_wrap_policy=wrap_policy,
+        # FSDP1 runs any _Policy; its annotation lists only torch's own policy classes.
+        auto_wrap_policy=cast(Any, wrap_policy),
         sharding_strategy=(
             ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
         ),
