@@ -78,12 +78,15 @@ class TensorLayout:
 
 @dataclasses.dataclass
 class Op:
-    """One recorded operation: tensors in args/kwargs/out are `Ref`s."""
+    """One recorded operation: tensors in args/kwargs/out are `Ref`s. ``rng_state``: the
+    CPU random state to set before it, when code inside `meta_init` changed the state
+    (``torch.manual_seed``) since the previous operation; else ``None``."""
 
     func: Any
     args: Any
     kwargs: Any
     out: Any
+    rng_state: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -122,6 +125,10 @@ class _Recorder(TorchDispatchMode):
         self.storage_group: dict[int, int] = {}
         self.written: set[int] = set()
         self.layout: dict[int, TensorLayout] = {}
+        # Operations on fake tensors draw nothing from the CPU generator, so its state
+        # changes inside the block only when the user's code sets it (a seed between two
+        # layers): each such change is recorded with the next operation, for the replay.
+        self.rng_state = torch.get_rng_state()
 
     def ref(self, t: torch.Tensor) -> Ref:
         i = self.index.get(id(t))
@@ -152,6 +159,10 @@ class _Recorder(TorchDispatchMode):
             return self.ref(x) if isinstance(x, torch.Tensor) else x
 
         op = Op(func, tree_map(encode, args), tree_map(encode, kwargs), tree_map(encode, out))
+        with _disable_current_modes():  # real tensors, compared outside the fake mode
+            state = torch.get_rng_state()
+            if not torch.equal(state, self.rng_state):
+                op.rng_state = self.rng_state = state
         self.ops.append(op)
         self._note_writes(func, args, op)
         return out

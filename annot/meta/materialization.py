@@ -273,6 +273,8 @@ def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool |
     try:
         with torch.no_grad(), Progress("materializing", total, show=show) as progress:
             for i, op in enumerate(record.ops):
+                if op.rng_state is not None:  # the constructor seeded here (torch.manual_seed)
+                    torch.set_rng_state(op.rng_state)
                 touched = [r for r in tree_flatten((op.args, op.kwargs, op.out))[0] if isinstance(r, Ref)]
                 if skipped and touched and all(record.group_of[r.index] in skipped for r in touched):
                     continue  # initializes only what a checkpoint will overwrite

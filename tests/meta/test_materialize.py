@@ -219,3 +219,30 @@ def test_a_recorded_buffer_set_to_none_is_named():
     model.scale = None  # was an AttributeError on None inside materialize
     with pytest.raises(annot.DeferredInitError, match="scale is None now"):
         annot.materialize(model)
+
+
+class _SeededInside(nn.Module):
+    """A constructor that reseeds between two layers (found in the wild: per-layer seeds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        torch.manual_seed(5)
+        self.b = nn.Linear(8, 8)
+
+
+def test_a_seed_set_inside_the_block_is_replayed_where_it_was_set():
+    torch.manual_seed(0)
+    eager = _SeededInside()
+    torch.manual_seed(0)
+    with annot.meta_init():
+        model = _SeededInside()
+        torch.manual_seed(3)  # between two models of one block too
+        second = nn.Linear(4, 4)
+    torch.manual_seed(3)
+    eager_second = nn.Linear(4, 4)
+    annot.materialize(model)
+    annot.materialize(second)
+    for (name, got), want in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert torch.equal(got, want), name
+    assert torch.equal(second.weight, eager_second.weight)
