@@ -1,11 +1,14 @@
 """Per-rank bytes read and peak memory while loading a >= 1B-parameter HuggingFace checkpoint.
 
-    python examples/bench_from_pretrained.py [--dir DIR] [--ranks 2] [--layers 22]
+    python examples/bench_from_pretrained.py [--dir DIR] [--ranks 2] [--layers 22] [--cold]
 
 Saves a Llama of about 1.1B parameters (TinyLlama's shape) with random fp32 weights via
 ``save_pretrained`` into DIR (a temporary directory unless given; reused when it already
 holds one), then loads it on N CPU ranks (torchrun, gloo), one launch per way:
 
+- ``pread`` (the floor): each rank reads the byte ranges of the rows FSDP2 gives it (dim-0
+  chunks, as ``torch.chunk``) with ``os.preadv`` into one preallocated, reused buffer:
+  the same bytes as annot reads, with nothing else done;
 - ``annot``: ``annot.from_pretrained(DIR, "fsdp2")``: meta model, FSDP2 shards, each rank
   reads only its own rows of every tensor;
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(DIR)`` on every rank;
@@ -13,13 +16,15 @@ holds one), then loads it on N CPU ranks (torchrun, gloo), one launch per way:
   on the meta device, all shard it with FSDP2, and torch's ``set_model_state_dict``
   (``broadcast_from_rank0``) scatters rank 0's tensors (the usual recipe).
 
-After loading, each rank reads every tensor it holds once (as a first training step
+With ``--cold`` the files are dropped from the page cache before every launch
+(``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file, not a system-wide drop); otherwise
+one untimed read warms the cache first. After loading, each rank reads every tensor it holds once (as a first training step
 would), so memory-mapped weights are paged in and counted. Prints one row per rank and
 way: bytes read, peak RSS, peak RSS above the process's footprint before loading, and
 time (loading and that one read). Bytes read: the ``rchar`` count of ``/proc/self/io``
 (every ``read``/``pread``); transformers reads safetensors through a memory map, which
 ``rchar`` does not see, so for its rows the column shows the bytes of the tensors it
-loaded, marked ``*``.
+loaded, marked ``*``. Every way imports its modules before the clock starts.
 """
 
 from __future__ import annotations
@@ -30,15 +35,16 @@ import os
 import resource
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-WAYS = ("annot", "transformers", "rank0")
-LABELS = {"annot": "annot.from_pretrained fsdp2", "transformers": "transformers, every rank",
-          "rank0": "rank 0 + broadcast (FSDP2)"}
+WAYS = ("pread", "annot", "transformers", "rank0")
+LABELS = {"pread": "floor: pread of the rank's rows", "annot": "annot.from_pretrained fsdp2",
+          "transformers": "transformers, every rank", "rank0": "rank 0 + broadcast (FSDP2)"}
 
 
 def llama_config(layers: int):
@@ -88,9 +94,14 @@ def worker(way: str, directory: str) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    _import_everything(directory)
     dist.barrier()
     base_rss, base_read, start = _rss_bytes(), _rchar(), time.perf_counter()
     loaded_bytes = None
+    if way == "pread":
+        _pread_rows(Path(directory), rank, dist.get_world_size())
+        _finish(rank, base_rss, base_read, start, None)
+        return
     if way == "annot":
         model = annot.from_pretrained(directory, "fsdp2")
     elif way == "transformers":
@@ -119,6 +130,57 @@ def worker(way: str, directory: str) -> None:
     with torch.no_grad():
         for tensor in model.state_dict().values():
             (tensor.to_local() if hasattr(tensor, "to_local") else tensor).sum()
+    _finish(rank, base_rss, base_read, start, loaded_bytes)
+
+
+def _import_everything(directory: str) -> None:
+    """Import, before the clock starts, what any way imports lazily (transformers' model
+    and loading modules, DTensor, annot's loading path): the table compares loading, and
+    these imports took 5-8 s of a first call here, the same for every way."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    AutoConfig.from_pretrained(directory)
+    for module in ("transformers.models.llama.modeling_llama", "transformers.core_model_loading",
+                   "transformers.conversion_mapping", "torch.distributed.tensor",
+                   "torch.distributed.checkpoint.state_dict", "annot.huggingface.pretrained",
+                   "annot.wrap", "annot.engines.fsdp2", "annot.checkpoint_io.loading"):
+        importlib.import_module(module)
+
+
+def _pread_rows(directory: Path, rank: int, world: int) -> None:
+    """Read this rank's dim-0 rows of every tensor into one reused buffer."""
+    ranges = []
+    for file in sorted(directory.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        for entry in header.values():
+            begin, end = entry["data_offsets"]
+            rows = entry["shape"][0] if entry["shape"] else 1
+            per_rank = -(-rows // world)
+            row_bytes = (end - begin) // rows if rows else 0
+            first, last = min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+            if last > first:
+                ranges.append((file, 8 + length + begin + first * row_bytes, (last - first) * row_bytes))
+    buffer = bytearray(max(n for _, _, n in ranges))
+    view = memoryview(buffer)
+    fds = {file: os.open(file, os.O_RDONLY) for file, _, _ in ranges}
+    try:
+        for file, offset, n in ranges:
+            done = 0
+            while done < n:
+                done += os.preadv(fds[file], [view[done:n]], offset + done)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _finish(rank: int, base_rss: int, base_read: int, start: float, loaded_bytes: int | None) -> None:
+    import torch.distributed as dist
+
     dist.barrier()
     elapsed = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -147,6 +209,17 @@ def launch(way: str, directory: Path, ranks: int, timeout: int) -> list[dict]:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+def drop_from_page_cache(files: list[Path]) -> None:
+    """Ask the kernel to drop these files' cached pages (this machine's other files stay)."""
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -157,6 +230,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--layers", type=int, default=22, help="22 gives 1.10B parameters")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the files from the page cache before every launch")
     parser.add_argument("--worker", choices=WAYS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -170,13 +245,25 @@ def main() -> None:
         print(f"Llama, {params / 1e9:.2f}B parameters, fp32 safetensors {gib(file_bytes)} "
               f"in {directory}; {args.ranks} CPU ranks (gloo); ideal shard "
               f"{gib(file_bytes / args.ranks)}")
-        header = ("way", "rank", "bytes read", "peak RSS", "above start", "time")
+        header = ("way", "rank", "bytes read", "peak RSS", "above start", "time", "GiB/s", "x floor")
         rows = []
+        floor: dict[int, float] = {}
+        files = sorted(directory.glob("*.safetensors"))
+        if not args.cold:
+            for file in files:  # warm: every way finds the files in the page cache
+                with open(file, "rb") as f:
+                    while f.read(2**26):
+                        pass
         for way in WAYS:
+            if args.cold:
+                drop_from_page_cache(files)
             for r in launch(way, directory, args.ranks, args.timeout):
-                read = gib(r["read"]) if r["loaded_bytes"] is None else f"{gib(r['loaded_bytes'])}*"
+                nbytes = r["read"] if r["loaded_bytes"] is None else r["loaded_bytes"]
+                read = gib(nbytes) if r["loaded_bytes"] is None else f"{gib(nbytes)}*"
+                floor.setdefault(r["rank"], r["seconds"])
                 rows.append((LABELS[way], str(r["rank"]), read, gib(r["peak"]), gib(r["above"]),
-                             f"{r['seconds']:.1f} s"))
+                             f"{r['seconds']:.2f} s", f"{nbytes / 2**30 / r['seconds']:.2f}",
+                             f"{r['seconds'] / floor[r['rank']]:.2f}"))
         widths = [max(len(x[i]) for x in (header, *rows)) for i in range(len(header))]
         for row in (header, *rows):
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
