@@ -122,7 +122,7 @@ def counting(target: str) -> Iterator[list[int]]:
     if target == "deepspeed":
         import deepspeed
 
-        owner, attr = deepspeed.checkpointing, "checkpoint"
+        owner, attr = deepspeed.checkpointing, "non_reentrant_checkpoint"
     else:
         import torch.utils.checkpoint
 

@@ -13,7 +13,7 @@ from torch import nn
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(2, 2) for _ in range(2)])
+        self.layers = nn.ModuleList([Block(2) for _ in range(2)])
 
     def forward(self, x):
         for layer in self.layers:
