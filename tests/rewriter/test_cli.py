@@ -87,7 +87,9 @@ def test_marks_resolve_across_files(tmp_path: Path) -> None:
         "    def forward(self, x):\n        return self.b(self.a(x))\n"
     )
     assert main([str(tmp_path), "-q"]) == 0
-    assert "deepspeed.checkpointing.checkpoint(self.a, x)" in net.read_text()
+    assert "deepspeed.checkpointing.non_reentrant_checkpoint(lambda _block=self.a, x=x: _block(x))" in (
+        net.read_text()
+    )
 
 
 def test_parse_error_is_reported_and_others_processed(
@@ -138,7 +140,7 @@ def test_summary_and_deepspeed_snippet(model: Path, capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert "1 file(s) changed, 0 unchanged, 0 failed; 1 site(s) wrapped, 0 skipped" in err
     assert "deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)" in err
-    assert 'checkpoint calls per forward (for "number_checkpoints"): n' in err
+    assert 'checkpoint calls per forward (for "number_checkpoints"):\n  Net.forward: n' in err
 
 
 def test_verbose_lists_every_site(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
