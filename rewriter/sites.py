@@ -28,7 +28,9 @@ _KNOWN_CHECKPOINTS = {
     "torch.utils.checkpoint.checkpoint",
     "torch.utils.checkpoint.checkpoint_sequential",
     "deepspeed.checkpointing.checkpoint",
+    "deepspeed.checkpointing.non_reentrant_checkpoint",
     "deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint",
+    "deepspeed.runtime.activation_checkpointing.checkpointing.non_reentrant_checkpoint",
 }
 # timm's helper lives in a private module that moved between releases; match its name.
 _KNOWN_CHECKPOINT_TAILS = {"checkpoint_seq", "checkpoint_sequential"}
@@ -120,6 +122,9 @@ class FunctionScan:
     names: set[str] = field(default_factory=set)
     self_name: str = "self"
     method: cst.FunctionDef | None = None
+    owner: str = ""  # the class the method belongs to
+    #: containers whose calls an earlier run already wrapped (for the outermost trunk)
+    rewritten: list[Container] = field(default_factory=list)
 
 
 def is_annot_guard(node: cst.CSTNode) -> TypeGuard[cst.If]:
@@ -187,6 +192,7 @@ class _MethodScan:
         self.loops: dict[int, tuple[cst.For, Container]] = {}
         self.loops_reported: set[int] = set()  # loops with a wrapped or reported call
         self._ckpt_cache: dict[int, bool] = {}
+        self.dry = False  # inside code annot already wrapped: only note the containers
 
     # -- helpers -----------------------------------------------------------------------
     def code(self, node: cst.CSTNode) -> str:
@@ -347,7 +353,14 @@ class _MethodScan:
     def enter(self, node: cst.CSTNode) -> bool:
         """Note what ``node`` says; False: do not look inside."""
         if is_annot_guard(node):
-            self.skip(node.test, node.orelse.body.body[0], "already rewritten by annot")  # type: ignore[union-attr]
+            original = node.orelse.body.body[0]  # type: ignore[union-attr]
+            self.skip(node.test, original, "already rewritten by annot")
+            # What the guard wraps still counts as checkpointed for the outermost trunk.
+            self.dry = True
+            self.stack += [node.orelse, node.orelse.body]  # type: ignore[union-attr,list-item]
+            self.walk(original)
+            del self.stack[-2:]
+            self.dry = False
             return False
         if isinstance(node, cst.Name):
             self.result.names.add(node.value)
@@ -408,6 +421,9 @@ class _MethodScan:
                 if not self.selector.holds_blocks(c, called_whole=True):
                     return
                 shape = "sequential"
+        if self.dry:
+            self.result.rewritten.append(c)
+            return
         self.site(call, c, shape)
 
     def loop_times(self, loop: cst.For) -> str:
@@ -623,9 +639,9 @@ def _outermost(scans: list[FunctionScan], holds: dict[str, set[str]]) -> None:
     while True:
         todo: list[tuple[str, str]] = []  # (class checkpointed whole, the class calling it)
         for scan in scans:
-            for f in scan.found:
-                todo.extend((cls, f.owner) for cls in f.container.classes)
-                todo.extend((cls, f.owner) for item in f.container.items for cls in item)
+            for c in [f.container for f in scan.found] + scan.rewritten:
+                todo.extend((cls, scan.owner) for cls in c.classes)
+                todo.extend((cls, scan.owner) for item in c.items for cls in item)
         inner: dict[str, str] = {}  # class -> the class whose trunk holds it
         while todo:
             cls, outer = todo.pop()
@@ -706,6 +722,7 @@ def scan_module(
             )
             scan.walk(method)
             result = scan.finish()
+            result.owner = cls.name.value
             for f in result.found:
                 f.owner = cls.name.value
             scans.append(result)
