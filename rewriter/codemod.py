@@ -575,8 +575,12 @@ def _streams(scan: FunctionScan) -> dict[int, list[str]]:
         sites.append((f, top, candidates(f.call, f.statement, loops)))
     safe = safe_streams(method, [(top, args) for _, top, args in sites])
     return {
-        id(f.call): [a.value.value for a in args if a.value.value in safe]  # type: ignore[attr-defined]
-        for f, _, args in sites
+        id(f.call): [
+            a.value.value  # type: ignore[attr-defined]
+            for a in args
+            if (a.value.value, id(top)) in safe  # type: ignore[attr-defined]
+        ]
+        for f, top, args in sites
     }
 
 

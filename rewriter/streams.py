@@ -9,8 +9,9 @@ handed to DeepSpeed as such a *stream* only when the source shows no second hold
 - it is a positional argument, once, and the statement (or the loop around it)
   assigns it again;
 - a plain ``name = ...`` at the top level of the method gives it a fresh value before
-  the first wrapped call (never a parameter: the caller may hold that tensor);
-- from that assignment to the last wrapped statement, the name is read nowhere else
+  the top-level statement holding the call (never a parameter: the caller may hold that
+  tensor);
+- from that assignment to the end of that statement, the name is read nowhere else
   (``hiddens.append(x)``, ``x = block(x) + x`` and ``h = x`` all keep a second holder).
 
 Everything else (rotary tables, masks, conditioning, the stream where the rule does
@@ -137,30 +138,26 @@ def candidates(call: cst.Call, stmt: cst.SimpleStatementLine, loops: Iterable[cs
 def safe_streams(
     function: cst.FunctionDef,
     sites: list[tuple[cst.BaseStatement, list[cst.Arg]]],
-) -> set[str]:
-    """The names among the sites' candidates that DeepSpeed may empty (module docstring).
+) -> set[tuple[str, int]]:
+    """(name, id of the top-level statement) pairs among the sites' candidates that
+    DeepSpeed may empty (module docstring).
 
     ``sites``: (top-level statement of ``function`` holding the call, its candidates).
     """
     body = function.body
     if not isinstance(body, cst.IndentedBlock):
         return set()
-    index = {id(stmt): i for i, stmt in enumerate(body.body)}
     passed = {id(a.value) for _, args in sites for a in args}
-    by_name: dict[str, list[int]] = {}
+    index = {id(stmt): i for i, stmt in enumerate(body.body)}
+    safe = set()
     for top, args in sites:
+        end = index[id(top)]
         for a in args:
             assert isinstance(a.value, cst.Name)
-            by_name.setdefault(a.value.value, []).append(index[id(top)])
-    safe = set()
-    for name, where in by_name.items():
-        first, last = min(where), max(where)
-        fresh = [
-            i for i in range(first) if name in _statement_assigns(body.body[i])
-        ]
-        if not fresh:
-            continue  # a parameter, or set only inside a branch: the caller may hold it
-        start = fresh[-1] + 1
-        if not any(_loads(body.body[i], name, passed) for i in range(start, last + 1)):
-            safe.add(name)
+            name = a.value.value
+            fresh = [i for i in range(end) if name in _statement_assigns(body.body[i])]
+            if not fresh:
+                continue  # a parameter, or set only inside a branch: the caller may hold it
+            if not any(_loads(body.body[i], name, passed) for i in range(fresh[-1] + 1, end + 1)):
+                safe.add((name, id(top)))
     return safe

@@ -134,9 +134,9 @@ def counting(target: str) -> Iterator[list[int]]:
 
         owner, attr = deepspeed.checkpointing, "non_reentrant_checkpoint"
     else:
-        import torch.utils.checkpoint
+        import torch.utils.checkpoint as torch_checkpoint
 
-        owner, attr = torch.utils.checkpoint, "checkpoint"
+        owner, attr = torch_checkpoint, "checkpoint"
     real = getattr(owner, attr)
     calls = [0, 0]  # checkpoint calls, tensors handed to the checkpoint function itself
 
