@@ -26,3 +26,4 @@ def test_bench_rewrite_prints_its_table_and_counts():
               for line in result.stdout.splitlines() if ": " in line and "corpus" not in line}
     assert counts["files"] == 4
     assert counts["crashed"] == counts["output does not parse"] == counts["undo differs"] == 0
+    assert counts["KV-cache calls with no cache test"] == 0
