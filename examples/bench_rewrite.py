@@ -7,7 +7,7 @@ wall seconds, files per second, and the ratio rewrite / bare, by wall time and b
 time (this process and its workers; CPU time does not move when other programs share the
 machine, wall time does). Goal: ratio at most 1.3 on one worker.
 
-    python examples/bench_rewrite.py [--jobs 1 2] [--verify] [--limit N]
+    python -m examples.bench_rewrite [--jobs 1 2] [--verify] [--limit N]   # from the repo root
 
 ``--verify`` also checks every file: no crash, the output parses, a second run changes
 nothing, ``--undo`` gives the bytes back, files without a site are unchanged, and every

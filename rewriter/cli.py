@@ -298,8 +298,8 @@ def _report(args: argparse.Namespace, outcomes: Iterable[_Outcome], selection: s
         return 2
     if args.check and unprotected_sites and not args.undo:
         print("error: selected blocks called where they cannot be wrapped:", file=sys.stderr)
-        for line in unprotected_sites:
-            print(f"  {line}", file=sys.stderr)
+        for site in unprotected_sites:
+            print(f"  {site}", file=sys.stderr)
         return 1
     if dry and changed:
         return 1

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_rewrite_prints_its_table_and_counts():
     pytest.importorskip("transformers")
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "bench_rewrite.py"), "--limit", "4",
+        [sys.executable, "-m", "examples.bench_rewrite", "--limit", "4",
          "--jobs", "1", "2", "--verify"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
