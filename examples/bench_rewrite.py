@@ -7,11 +7,12 @@ wall seconds, files per second, and the ratio rewrite / bare, by wall time and b
 time (this process and its workers; CPU time does not move when other programs share the
 machine, wall time does). Goal: ratio at most 1.3 on one worker.
 
-    python examples/bench_rewrite.py [--jobs 1 2] [--verify] [--limit N]
+    python -m examples.bench_rewrite [--jobs 1 2] [--verify] [--limit N]   # from the repo root
 
 ``--verify`` also checks every file: no crash, the output parses, a second run changes
-nothing, ``--undo`` gives the bytes back, files without a site are unchanged; it prints
-the counts.
+nothing, ``--undo`` gives the bytes back, files without a site are unchanged, and every
+wrapped call that passes KV-cache state has the cache tests in its guard (so a
+recomputation never runs with a live cache); it prints the counts.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ import libcst as cst
 
 from annot.rewriter import rewrite_source, undo_source
 from annot.rewriter.cli import main as rewrite_main
+from annot.rewriter.containers import child_nodes
+from annot.rewriter.sites import _REPLAYED_STATE, is_annot_guard
+
+_OFF = ("None", "False")
 
 
 def corpus() -> list[Path]:
@@ -87,9 +92,43 @@ def verify(path: Path) -> Counter[str]:
         compile(result.code, str(path), "exec")
     except Exception:
         counts["output does not parse"] += 1
+    passing, unguarded = kv_guards(cst.parse_module(result.code))
+    counts["wrapped calls passing a KV cache"] += passing
+    counts["KV-cache calls with no cache test"] += unguarded
     counts["second run changes"] += rewrite_source(result.code).code != result.code
     counts["undo differs"] += undo_source(result.code).code != source
     return counts
+
+
+def _nodes(node: cst.CSTNode):
+    yield node
+    for child in child_nodes(node):
+        yield from _nodes(child)
+
+
+def kv_guards(module: cst.Module) -> tuple[int, int]:
+    """(wrapped calls passing KV-cache state, those whose guard does not test it).
+
+    A cache argument is an argument named like one (`past_key_values=`, `use_cache=`, ...)
+    or whose value mentions such a name; literal None/False pass no cache. The guard must
+    test each such value (`not use_cache`, `past_key_values is None`).
+    """
+    passing = unguarded = 0
+    for guard in (n for n in _nodes(module) if is_annot_guard(n)):
+        test = module.code_for_node(guard.test)
+        original = guard.orelse.body.body[0]
+        values = []
+        for call in (n for n in _nodes(original) if isinstance(n, cst.Call)):
+            for arg in call.args:
+                key = arg.keyword.value if arg.keyword is not None else None
+                names = {n.value for n in _nodes(arg.value) if isinstance(n, cst.Name)}
+                if key in _REPLAYED_STATE or names & _REPLAYED_STATE:
+                    if not (isinstance(arg.value, cst.Name) and arg.value.value in _OFF):
+                        values.append(module.code_for_node(arg.value))
+        if values:
+            passing += 1
+            unguarded += any(v not in test for v in values)
+    return passing, unguarded
 
 
 def main() -> None:
@@ -125,6 +164,8 @@ def main() -> None:
             "second run changes",
             "undo differs",
             "unchanged but bytes differ",
+            "wrapped calls passing a KV cache",
+            "KV-cache calls with no cache test",
         ):
             print(f"{key:>28}: {total[key]}")
 

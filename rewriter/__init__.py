@@ -1,8 +1,9 @@
 """annot's source rewriter: insert activation checkpointing into model code.
 
 A libcst codemod (it imports libcst and the standard library only, never torch) that
-wraps the block calls in ``forward`` methods in ``deepspeed.checkpointing.checkpoint`` or
-``torch.utils.checkpoint.checkpoint``, keeps every other byte, and can undo itself.
+wraps the block calls in a module class's methods in DeepSpeed's
+``non_reentrant_checkpoint`` or torch's non-reentrant checkpoint, keeps every other byte,
+and can undo itself.
 ``annot rewrite`` is the command line (`annot.rewriter.cli.main`).
 
 Names are loaded on first use, so ``annot rewrite --help`` does not pay for libcst.

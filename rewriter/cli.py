@@ -1,6 +1,7 @@
 """``annot rewrite PATH...``: the command line of the rewriter.
 
-Exit codes: 0 done or nothing to do; 1 ``--check``/``--diff`` found changes;
+Exit codes: 0 done or nothing to do; 1 ``--check``/``--diff`` found changes, or
+``--check`` found a marked / ``--blocks`` class called where it cannot be wrapped;
 2 usage error, or any file failed (it is reported as ``path:line:col: reason`` and never
 touched; the other files are still processed). Messages go to stderr, diffs to stdout.
 """
@@ -26,7 +27,8 @@ once, after deepspeed.initialize(...) and before the first forward:
     import deepspeed
     deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
 
-checkpoint calls per forward (for "number_checkpoints"): {calls}"""
+checkpoint calls per forward (for "number_checkpoints"):
+{calls}"""
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -86,7 +88,7 @@ class _Outcome:
     status: str  # "changed" | "unchanged" | "failed"
     error: str | None = None
     wrapped: list[tuple[int, int, str, str, str | None]] = field(default_factory=list)
-    skipped: list[tuple[int, int, str, str, str]] = field(default_factory=list)
+    skipped: list[tuple[int, int, str, str, str, bool]] = field(default_factory=list)
     chosen: list[str] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
     diff: str = ""
@@ -148,7 +150,10 @@ def _process(job: _Job) -> _Outcome:
         job.path,
         "changed" if result.changed else "unchanged",
         wrapped=[(s.line, s.column, s.function, s.block, s.warning) for s in result.wrapped],
-        skipped=[(s.line, s.column, s.function, s.block, s.reason) for s in result.skipped],
+        skipped=[
+            (s.line, s.column, s.function, s.block, s.reason, s.unprotected)
+            for s in result.skipped
+        ],
         chosen=list(result.chosen),
         calls=list(result.calls_per_forward),
     )
@@ -240,6 +245,7 @@ def _report(args: argparse.Namespace, outcomes: Iterable[_Outcome], selection: s
     if not args.undo:
         _say(args.quiet, f"blocks: {selection}")
     reasons: Counter[str] = Counter()
+    unprotected_sites: list[str] = []
     warnings = 0
     for o in outcomes:
         if o.status == "changed":
@@ -254,10 +260,13 @@ def _report(args: argparse.Namespace, outcomes: Iterable[_Outcome], selection: s
                 warnings += 1
                 if args.verbose:
                     _say(args.quiet, f"{o.path}:{line}:{col}: warning: {warning}")
-        for line, col, func, block, reason in o.skipped:
+        for line, col, func, block, reason, unprotected in o.skipped:
             reasons[reason] += 1
-            if args.verbose:
+            # Never silent: a file that gets nothing wrapped says why, loop by loop.
+            if args.verbose or (not o.wrapped and not args.undo):
                 _say(args.quiet, f"{o.path}:{line}:{col}: skipped {block} in {func}: {reason}")
+            if unprotected:
+                unprotected_sites.append(f"{o.path}:{line}:{col}: {block} in {func}: {reason}")
     n_wrapped = sum(len(o.wrapped) for o in outcomes)
     unchanged = len(outcomes) - len(changed) - len(failed)
     summary = (
@@ -275,15 +284,23 @@ def _report(args: argparse.Namespace, outcomes: Iterable[_Outcome], selection: s
     if (
         args.blocks is not None
         and not args.undo
-        and not any(o.wrapped or o.skipped for o in outcomes)
+        and not any(
+            o.wrapped or any(not s[3].startswith("loop over") for s in o.skipped)
+            for o in outcomes
+        )
     ):
         # An empty selection is an error elsewhere in annot (docs/design.md, pitfall 8): say so.
         print(f"warning: --blocks {args.blocks}: no forward calls these classes", file=sys.stderr)
     if args.target == "deepspeed" and not args.undo and changed:
-        calls = sorted({c for o in changed for c in o.calls})
-        _say(args.quiet, "", _DEEPSPEED_SNIPPET.format(calls=" + ".join(calls)))
+        calls = "\n".join(f"  {c}" for o in changed for c in o.calls)
+        _say(args.quiet, "", _DEEPSPEED_SNIPPET.format(calls=calls))
     if failed:
         return 2
+    if args.check and unprotected_sites and not args.undo:
+        print("error: selected blocks called where they cannot be wrapped:", file=sys.stderr)
+        for site in unprotected_sites:
+            print(f"  {site}", file=sys.stderr)
+        return 1
     if dry and changed:
         return 1
     return 0

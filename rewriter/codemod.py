@@ -8,8 +8,10 @@ A wrapped statement becomes
         x = block(x)
 
 The ``else`` branch is the original statement, byte for byte, so eval and ``no_grad`` run
-the block directly (no recomputation, no reentrant warnings) and ``--undo`` only has to
-put that branch back. The marker comment also makes a second run a no-op.
+the block directly (no recomputation) and ``--undo`` only has to put that branch back.
+The marker comment also makes a second run a no-op. A call passing a KV cache gets the
+cache tests in its guard (``and not use_cache``, ``and past_key_values is None``): it is
+checkpointed only when no cache is updated (docs/design.md, pitfall 14).
 Nothing else in the file changes except import lines ending in ``# annot: import``.
 """
 
@@ -27,10 +29,12 @@ from annot.rewriter.sites import (
     GUARD_MARKER,
     Container,
     Found,
+    FunctionScan,
     Selector,
     is_annot_guard,
     scan_module,
 )
+from annot.rewriter.streams import candidates, safe_streams
 
 __all__ = [
     "RewriteResult",
@@ -42,8 +46,10 @@ __all__ = [
 ]
 
 TARGETS = ("deepspeed", "torch")
+# DeepSpeed's non-reentrant variant: its reentrant `checkpoint` gives a block whose tensor
+# inputs need no grad no parameter gradients at all (docs/design.md, pitfalls 9 and 13).
 _CHECKPOINT = {
-    "deepspeed": "deepspeed.checkpointing.checkpoint",
+    "deepspeed": "deepspeed.checkpointing.non_reentrant_checkpoint",
     "torch": "torch.utils.checkpoint.checkpoint",
 }
 _BOM = "\ufeff"
@@ -51,7 +57,12 @@ _BOM = "\ufeff"
 # alias used when that name means something else in the file, submodule that attribute
 # access needs: `import torch` alone does not load torch.utils.checkpoint).
 _SOURCES = {
-    "deepspeed.checkpointing.checkpoint": ("deepspeed", "deepspeed", "annot_deepspeed", None),
+    "deepspeed.checkpointing.non_reentrant_checkpoint": (
+        "deepspeed",
+        "deepspeed",
+        "annot_deepspeed",
+        None,
+    ),
     "torch.utils.checkpoint.checkpoint": (
         "torch.utils.checkpoint",
         "torch",
@@ -78,13 +89,15 @@ class Site:
 
 @dataclass(frozen=True)
 class SkippedSite:
-    """A block call (or loop) left alone, and why."""
+    """A block call (or loop) left alone, and why. ``unprotected``: a marked or
+    ``--blocks`` class is called here and runs without checkpointing."""
 
     line: int
     column: int
     function: str
     block: str
     reason: str
+    unprotected: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,7 +111,8 @@ class RewriteResult:
     chosen: tuple[str, ...] = ()
     imports_added: tuple[str, ...] = ()
     changed: bool = False
-    #: per forward call: how many checkpoint calls run, as written in the source
+    #: per method with wrapped calls: ``Class.method: n_layer + 2`` (checkpoint calls one
+    #: run of that method makes, as written in the source)
     calls_per_forward: tuple[str, ...] = field(default=())
 
 
@@ -183,21 +197,32 @@ _NO_SPACE = cst.AssignEqual(
 )
 
 
-def checkpoint_call(call: cst.Call, em: _Emitter) -> cst.Call:
+def checkpoint_call(
+    call: cst.Call, em: _Emitter, streams: list[str], fresh: Callable[[str], str]
+) -> cst.Call:
     """``block(a, k=v)`` -> the checkpointed call, keeping the argument layout.
 
-    deepspeed: ``checkpoint(block, a, k=v)``; deepspeed passes keyword values to the
-    block positionally through its autograd function, so keyword tensors get gradients.
     torch: ``checkpoint(block, a, use_reentrant=False)``; with keyword arguments
     ``checkpoint(functools.partial(block, a, k=v), use_reentrant=False)``, because torch's
     checkpoint would swallow keywords named like its own options (``use_reentrant``,
     ``preserve_rng_state``, ``context_fn``, ``debug``, ...). A partial binds the block
     object now; a lambda would see the loop variable's later value in backward.
     Non-reentrant checkpointing tracks tensors the partial holds, so gradients flow.
+
+    deepspeed: ``non_reentrant_checkpoint(block, x)`` when every argument is a stream
+    (`annot.rewriter.streams`), else ``non_reentrant_checkpoint(lambda x, block=block,
+    mask=mask: block(x, mask), x)``: only the streams go to DeepSpeed (which may empty
+    them in place); the block and every other argument are evaluated now, as in the
+    original call, and bound as the lambda's defaults.
     """
     if em.target == "deepspeed":
         func = em.expr(em.ref(_CHECKPOINT["deepspeed"]))
-        return _prepend_arg(call, func, call.func)
+        names = [a.value.value for a in call.args if isinstance(a.value, cst.Name)]
+        if len(names) == len(call.args) == len(streams) and all(
+            a.keyword is None and not a.star for a in call.args
+        ):
+            return _prepend_arg(call, func, call.func)
+        return _bound_call(call, func, streams, fresh)
     ckpt = em.expr(em.ref(_CHECKPOINT["torch"]))
     flag = cst.Arg(cst.Name("False"), keyword=cst.Name("use_reentrant"), equal=_NO_SPACE)
     if any(a.keyword is not None or a.star == "**" for a in call.args):
@@ -210,6 +235,45 @@ def checkpoint_call(call: cst.Call, em: _Emitter) -> cst.Call:
             ),
         )
     return _append_arg(_prepend_arg(call, ckpt, call.func), flag)
+
+
+_CONSTANTS = {"None", "True", "False"}
+
+
+def _bound_call(
+    call: cst.Call, ckpt: cst.BaseExpression, streams: list[str], fresh: Callable[[str], str]
+) -> cst.Call:
+    """``ckpt(lambda <streams>, <name>=<value>...: <call on those names>, <streams>)``."""
+    defaults: dict[str, cst.BaseExpression] = {}
+
+    def bind(value: cst.BaseExpression, base: str) -> cst.BaseExpression:
+        if isinstance(value, cst.Name):
+            if value.value in _CONSTANTS or value.value in streams:
+                return value
+            defaults.setdefault(value.value, value)
+            return value
+        if isinstance(value, cst.Integer | cst.Float | cst.SimpleString):
+            return value
+        name = fresh(base)
+        defaults[name] = value
+        return cst.Name(name)
+
+    func = bind(call.func, "_block")
+    args = [
+        a.with_changes(value=bind(a.value, f"_arg{i}")) for i, a in enumerate(call.args)
+    ]
+    body = call.with_changes(func=func, args=args)
+    params = [cst.Param(cst.Name(s)) for s in streams] + [
+        cst.Param(cst.Name(n), default=v, equal=_NO_SPACE) for n, v in defaults.items()
+    ]
+    comma = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    params = [p.with_changes(comma=comma) for p in params[:-1]] + params[-1:]
+    lam = cst.Lambda(params=cst.Parameters(params=params), body=body)
+    if not params:
+        lam = lam.with_changes(whitespace_after_lambda=cst.SimpleWhitespace(""))
+    out = [cst.Arg(lam)] + [cst.Arg(cst.Name(s)) for s in streams]
+    out = [a.with_changes(comma=comma) for a in out[:-1]] + out[-1:]
+    return cst.Call(ckpt, args=out)
 
 
 def _replace(
@@ -251,6 +315,7 @@ def _wrapped_statement(
     em: _Emitter,
     scan_names: set[str],
     self_name: str,
+    streams: dict[int, list[str]],
 ) -> cst.If:
     """The ``if guard: <checkpointed> else: <original>`` replacing one statement."""
     taken = set(scan_names)
@@ -265,7 +330,9 @@ def _wrapped_statement(
     # The checkpoint import first: `import torch.utils.checkpoint` also binds `torch`.
     em.ref(_CHECKPOINT[em.target])
     torch = em.ref("torch.is_grad_enabled").rpartition(".")[0]
-    guard = em.expr(f"{self_name}.training and {torch}.is_grad_enabled()")
+    tests = [f"{self_name}.training", f"{torch}.is_grad_enabled()"]
+    tests += dict.fromkeys(t for f in found for t in f.conditions)
+    guard = em.expr(" and ".join(tests))
     before: list[cst.BaseStatement] = []
     after: list[cst.BaseStatement] = []
     funcs: dict[int, Callable[[cst.CSTNode], cst.CSTNode]] = {}
@@ -276,13 +343,13 @@ def _wrapped_statement(
             nonlocal keep_statement
             assert isinstance(call, cst.Call)
             if f.shape == "sequential":
-                stmts, replacement = _sequential(f, call, em, fresh)
+                stmts, replacement = _sequential(f, call, em, fresh, streams.get(id(f.call), []))
                 before.extend(stmts)
                 if replacement is None:
                     keep_statement = False
                     return call
                 return replacement
-            new_call = checkpoint_call(call, em)
+            new_call = checkpoint_call(call, em, streams.get(id(f.call), []), fresh)
             if f.hoist:  # `block(x)[0]`: index a re-tupled result
                 tmp = fresh("outputs")
                 target = cst.AssignTarget(cst.Name(tmp))
@@ -323,7 +390,11 @@ def _retuple(name: str, torch: str, em: _Emitter) -> cst.BaseStatement:
 
 
 def _sequential(
-    f: Found, call: cst.Call, em: _Emitter, fresh: Callable[[str], str]
+    f: Found,
+    call: cst.Call,
+    em: _Emitter,
+    fresh: Callable[[str], str],
+    streams: list[str],
 ) -> tuple[list[cst.BaseStatement], cst.Name | None]:
     """``x = self.blocks(x)`` on a Sequential: checkpoint each element in a loop.
 
@@ -336,9 +407,12 @@ def _sequential(
     seq = module.code_for_node(f.call.func)
     arg = module.code_for_node(call.args[0].value) if call.args else None
     block = fresh("block")
-    ckpt = em.ref(_CHECKPOINT[em.target]) + (
-        "({blk}, {h})" if em.target == "deepspeed" else "({blk}, {h}, use_reentrant=False)"
-    )
+    if em.target == "torch":
+        ckpt = em.ref(_CHECKPOINT["torch"]) + "({blk}, {h}, use_reentrant=False)"
+    elif streams:
+        ckpt = em.ref(_CHECKPOINT["deepspeed"]) + "({blk}, {h})"
+    else:  # the input may have a second holder: DeepSpeed must not empty it
+        ckpt = em.ref(_CHECKPOINT["deepspeed"]) + "(lambda {blk}={blk}, {h}={h}: {blk}({h}))"
     out: list[cst.BaseStatement] = []
     if (
         isinstance(small, cst.Assign)
@@ -413,9 +487,10 @@ def rewrite_module(
         by_stmt: dict[int, list[Found]] = {}
         for f in scan.found:
             by_stmt.setdefault(id(f.statement), []).append(f)
+        streams = _streams(scan) if target == "deepspeed" else {}
         for group in by_stmt.values():
             stmt = group[0].statement
-            new = _wrapped_statement(stmt, group, em, scan.names, scan.self_name)
+            new = _wrapped_statement(stmt, group, em, scan.names, scan.self_name, streams)
             guards[id(new.test)] = id(new.orelse.body.body[0])  # type: ignore[union-attr]
 
             def replacement(_node: cst.CSTNode, new: cst.CSTNode = new) -> cst.CSTNode:
@@ -455,7 +530,10 @@ def rewrite_module(
         key=lambda s: (s.line, s.column),
     )
     skips = sorted(
-        (SkippedSite(*where(k.node), k.function, k.block, k.reason) for k in skipped),
+        (
+            SkippedSite(*where(k.node), k.function, k.block, k.reason, k.unprotected)
+            for k in skipped
+        ),
         key=lambda s: (s.line, s.column),
     )
     return new_module, RewriteResult(
@@ -465,7 +543,7 @@ def rewrite_module(
         chosen=tuple(_describe(c) for c in dict.fromkeys(chosen)),
         imports_added=tuple(em.added),
         changed=bool(repl),
-        calls_per_forward=tuple(_calls(f) for f in found),
+        calls_per_forward=tuple(_calls(s) for s in scans if s.found),
     )
 
 
@@ -475,10 +553,35 @@ def _describe(c: Container) -> str:
     return f"self.{c.path}: {c.kind} of {classes}{count}"
 
 
-def _calls(f: Found) -> str:
-    if f.shape in ("loop", "sequential"):
-        return f.container.count or f"len(self.{f.container.path})"
-    return "1"
+def _calls(scan: FunctionScan) -> str:
+    """``Class.method: n_layer + 1``: checkpoint calls one run of the method makes."""
+    counts = [f.times for f in scan.found]
+    ones = counts.count("1")
+    terms = [c for c in counts if c != "1"] + ([str(ones)] if ones else [])
+    return f"{scan.found[0].function}: {' + '.join(terms)}"
+
+
+def _streams(scan: FunctionScan) -> dict[int, list[str]]:
+    """id(call) -> the names DeepSpeed may be handed and empty (`rewriter.streams`)."""
+    method = scan.method
+    if method is None or not isinstance(method.body, cst.IndentedBlock):
+        return {}
+    tops = {id(s): s for s in method.body.body}
+    sites = []
+    for f in scan.found:
+        top = next(n for n in f.path if id(n) in tops)
+        loops = [n for n in f.path[f.path.index(method) :] if isinstance(n, cst.For)]
+        assert isinstance(top, cst.BaseStatement)
+        sites.append((f, top, candidates(f.call, f.statement, loops)))
+    safe = safe_streams(method, [(top, args) for _, top, args in sites])
+    return {
+        id(f.call): [
+            a.value.value  # type: ignore[attr-defined]
+            for a in args
+            if (a.value.value, id(top)) in safe  # type: ignore[attr-defined]
+        ]
+        for f, top, args in sites
+    }
 
 
 def _split_bom(source: str) -> tuple[str, str]:

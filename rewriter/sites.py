@@ -1,9 +1,12 @@
-"""Find the block calls in ``forward`` methods that can be checkpointed, and why others can't.
+"""Find the block calls in a module class's methods that can be checkpointed, and why
+others can't.
 
-What each attribute holds comes from the class's own ``__init__`` (`rewriter.containers`).
+What each attribute holds comes from the class's own methods (`rewriter.containers`).
 A `Selector` decides which of those hold blocks: the marked classes / ``--blocks`` names,
-or, with neither, the trunk (a ModuleList iterated in ``forward``, or a Sequential built
-from a repeated block and called whole).
+or, with neither, the trunk (a ModuleList / ModuleDict iterated in a method, or a
+Sequential built from a repeated block and called whole; never a stack of torch.nn
+layers). In trunk mode the outermost trunk wins: a loop inside a class whose instances
+are themselves checkpointed is reported, not wrapped a second time.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import TypeGuard
 
 import libcst as cst
 
-from annot.rewriter.containers import Container, child_nodes, read_containers
+from annot.rewriter.containers import Container, child_nodes, first_param, read_containers
 from annot.rewriter.imports import ImportTable, dotted_name
 
 __all__ = ["Container", "Found", "Selector", "Skipped", "is_annot_guard", "scan_module"]
@@ -25,7 +28,9 @@ _KNOWN_CHECKPOINTS = {
     "torch.utils.checkpoint.checkpoint",
     "torch.utils.checkpoint.checkpoint_sequential",
     "deepspeed.checkpointing.checkpoint",
+    "deepspeed.checkpointing.non_reentrant_checkpoint",
     "deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint",
+    "deepspeed.runtime.activation_checkpointing.checkpointing.non_reentrant_checkpoint",
 }
 # timm's helper lives in a private module that moved between releases; match its name.
 _KNOWN_CHECKPOINT_TAILS = {"checkpoint_seq", "checkpoint_sequential"}
@@ -50,11 +55,27 @@ class Selector:
     classes: frozenset[str] | None = None
 
     def holds_blocks(self, c: Container, *, called_whole: bool = False) -> bool:
-        if self.classes is None:
-            if c.kind == "list":
-                return not called_whole
-            return c.kind == "sequential" and c.repeated
-        return bool(c.classes) and all(name in self.classes for name in c.classes)
+        return self.why_not(c, called_whole=called_whole) is None
+
+    def why_not(self, c: Container, *, called_whole: bool = False) -> str | None:
+        """None when ``c`` holds blocks, else why not (for the report)."""
+        if self.classes is not None:
+            if c.classes and all(name in self.classes for name in c.classes):
+                return None
+            what = ", ".join(c.classes) if c.classes else "of classes the source does not name"
+            return f"elements are {what}, none of the selected classes"
+        if c.builtin:
+            return (
+                f"elements are torch.nn layers ({', '.join(c.classes)}), not a stack of blocks; "
+                "--blocks NAME to wrap them"
+            )
+        if c.kind == "list":
+            return None if not called_whole else "a ModuleList called whole"
+        if c.kind == "dict":
+            return None if c.repeated or len(c.classes) == 1 else "a ModuleDict of different modules"
+        if c.kind == "sequential":
+            return None if c.repeated else "a Sequential not built from a repeated block"
+        return "a single module, not a stack (--blocks NAME to wrap it)"
 
     def describe(self) -> str:
         if self.classes is None:
@@ -76,6 +97,12 @@ class Found:
     # DeepSpeed hands back a 1-tuple's element bare: re-tuple where the caller indexes.
     retuple_name: str | None = None
     hoist: bool = False
+    #: extra guard tests (code) that keep a KV cache out of recomputation
+    conditions: tuple[str, ...] = ()
+    #: how many times one run of the method makes this call, as code (`config.n_layer`)
+    times: str = "1"
+    #: the class whose method makes the call
+    owner: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,6 +111,8 @@ class Skipped:
     function: str
     block: str
     reason: str
+    #: a selected block (marked or --blocks) is called here unprotected: `--check` fails
+    unprotected: bool = False
 
 
 @dataclass
@@ -92,6 +121,10 @@ class FunctionScan:
     skipped: list[Skipped] = field(default_factory=list)
     names: set[str] = field(default_factory=set)
     self_name: str = "self"
+    method: cst.FunctionDef | None = None
+    owner: str = ""  # the class the method belongs to
+    #: containers whose calls an earlier run already wrapped (for the outermost trunk)
+    rewritten: list[Container] = field(default_factory=list)
 
 
 def is_annot_guard(node: cst.CSTNode) -> TypeGuard[cst.If]:
@@ -126,7 +159,7 @@ def _is_int_index(node: cst.Subscript) -> bool:
     return isinstance(sl, cst.Slice) and is_int(sl.lower) and is_int(sl.upper)
 
 
-class _ForwardScan:
+class _MethodScan:
     def __init__(
         self,
         module: cst.Module,
@@ -134,6 +167,7 @@ class _ForwardScan:
         containers: dict[str, Container],
         selector: Selector,
         function: cst.FunctionDef,
+        self_name: str,
         qualname: str,
         target: str,
         functional: bool,
@@ -150,13 +184,15 @@ class _ForwardScan:
         self.stack: list[cst.CSTNode] = list(root_path)
         self.base = len(root_path)
         self.result = FunctionScan()
-        params = function.params.params or function.params.posonly_params
-        self.result.self_name = params[0].name.value if params else "self"
-        self.self_name = self.result.self_name
+        self.result.self_name = self_name
+        self.result.method = function
+        self.self_name = self_name
         self.int_indexed: set[str] = set()
-        self.loops: dict[int, tuple[cst.For, str]] = {}  # loops over blocks, by id
-        self.loops_calling: set[int] = set()
+        # every loop over a module container, by id: (loop, the container it iterates)
+        self.loops: dict[int, tuple[cst.For, Container]] = {}
+        self.loops_reported: set[int] = set()  # loops with a wrapped or reported call
         self._ckpt_cache: dict[int, bool] = {}
+        self.dry = False  # inside code annot already wrapped: only note the containers
 
     # -- helpers -----------------------------------------------------------------------
     def code(self, node: cst.CSTNode) -> str:
@@ -173,14 +209,26 @@ class _ForwardScan:
         """Container, tuple of patterns, or None: what iterating ``expr`` yields."""
         c = self.container_of(expr)
         if c is not None:
-            return c if c.kind != "module" else None
+            # a ModuleDict iterates its keys; a single module is not iterated
+            return c if c.kind not in ("module", "dict") else None
         if isinstance(expr, cst.Subscript) and len(expr.slice) == 1:
             if isinstance(expr.slice[0].slice, cst.Slice):
                 return self.pattern(expr.value)
             return None
         if isinstance(expr, cst.Call):
-            name = dotted_name(expr.func)
+            func = expr.func
             args = [a.value for a in expr.args if a.keyword is None and not a.star]
+            if isinstance(func, cst.Attribute) and not args:
+                owner = self.container_of(func.value)
+                if owner is not None and owner.kind == "dict":
+                    if func.attr.value == "values":
+                        return owner
+                    if func.attr.value == "items":
+                        return (None, owner)
+                if owner is not None and owner.kind != "module" and func.attr.value == "children":
+                    return owner
+                return None
+            name = dotted_name(func)
             if name == "enumerate" and args:
                 return (None, self.pattern(args[0]))
             if name == "zip":
@@ -196,7 +244,12 @@ class _ForwardScan:
             out[target.value] = pattern if isinstance(pattern, Container) else None
         elif isinstance(target, cst.Tuple | cst.List):
             elements = [e.value for e in target.elements]
-            parts = pattern if isinstance(pattern, tuple) and len(pattern) == len(elements) else ()
+            parts: tuple[object, ...] = ()
+            if isinstance(pattern, tuple) and len(pattern) == len(elements):
+                parts = pattern
+            elif isinstance(pattern, Container) and len(pattern.items) == len(elements):
+                # `for attn, ff in self.layers` over ModuleList([Attention(), FeedForward()])
+                parts = tuple(pattern.item(i) for i in range(len(elements)))
             for i, el in enumerate(elements):
                 self.bind(el, parts[i] if parts else None, out)
 
@@ -261,27 +314,33 @@ class _ForwardScan:
             )
         return self._ckpt_cache[key]
 
-    def block_of(self, expr: cst.BaseExpression) -> tuple[Container | None, int]:
-        """The container a callee or argument refers to a block of, and the binding depth."""
+    def block_of(self, expr: cst.BaseExpression) -> Container | None:
+        """The container a callee or argument refers to a block of."""
         if isinstance(expr, cst.Attribute) and expr.attr.value in ("__call__", "forward"):
             expr = expr.value
         if isinstance(expr, cst.Name):
-            return self.lookup(expr.value)
+            return self.lookup(expr.value)[0]
         c = self.container_of(expr)
         if c is not None:
-            return c, -1
+            return c
         if isinstance(expr, cst.Subscript):
             c = self.container_of(expr.value)
             if c is not None and c.kind != "module":
-                return c, -1
-        return None, -1
+                return c
+        return None
 
-    def skip(self, node: cst.CSTNode, block: cst.CSTNode, reason: str) -> None:
-        self.result.skipped.append(Skipped(node, self.qualname, self.code(block), reason))
+    def enclosing_loops(self) -> list[cst.For]:
+        return [n for n in self.stack[self.base :] if isinstance(n, cst.For)]
 
-    def note_loop_call(self, depth: int) -> None:
-        if depth >= 0:
-            self.loops_calling.add(id(self.stack[depth]))
+    def skip(
+        self, node: cst.CSTNode, block: cst.CSTNode, reason: str, *, unprotected: bool = False
+    ) -> None:
+        for loop in self.enclosing_loops():
+            self.loops_reported.add(id(loop))
+        unprotected = unprotected and self.selector.classes is not None
+        self.result.skipped.append(
+            Skipped(node, self.qualname, self.code(block), reason, unprotected)
+        )
 
     # -- visiting ----------------------------------------------------------------------
     def walk(self, node: cst.CSTNode) -> None:
@@ -294,9 +353,14 @@ class _ForwardScan:
     def enter(self, node: cst.CSTNode) -> bool:
         """Note what ``node`` says; False: do not look inside."""
         if is_annot_guard(node):
-            self.skip(node.test, node.orelse.body.body[0], "already rewritten by annot")  # type: ignore[union-attr]
-            for n in self.stack:
-                self.loops_calling.add(id(n))
+            original = node.orelse.body.body[0]  # type: ignore[union-attr]
+            self.skip(node.test, original, "already rewritten by annot")
+            # What the guard wraps still counts as checkpointed for the outermost trunk.
+            self.dry = True
+            self.stack += [node.orelse, node.orelse.body]  # type: ignore[union-attr,list-item]
+            self.walk(original)
+            del self.stack[-2:]
+            self.dry = False
             return False
         if isinstance(node, cst.Name):
             self.result.names.add(node.value)
@@ -304,12 +368,12 @@ class _ForwardScan:
             if isinstance(node.value, cst.Name) and _is_int_index(node):
                 self.int_indexed.add(node.value.value)
         elif isinstance(node, cst.For):
-            pat = self.pattern(node.iter)
             bound: dict[str, Container | None] = {}
-            self.bind(node.target, pat, bound)
+            self.bind(node.target, self.pattern(node.iter), bound)
             for c in bound.values():
-                if c is not None and self.selector.holds_blocks(c):
-                    self.loops[id(node)] = (node, self.self_name + "." + c.path)
+                if c is not None:
+                    self.loops[id(node)] = (node, c)
+                    break
         elif isinstance(node, cst.Call):
             self.visit_call(node)
         return True
@@ -318,17 +382,15 @@ class _ForwardScan:
         ckpt = self.known_checkpoint(call.func)
         if ckpt is not None:
             for arg in call.args:
-                c, depth = self.block_of(arg.value)
+                c = self.block_of(arg.value)
                 if c is not None and self.selector.holds_blocks(c):
-                    self.note_loop_call(depth)
                     self.skip(call, arg.value, f"already checkpointed by {ckpt}")
                     return
             return
         if (dotted_name(call.func) or "").rpartition(".")[2] == "checkpoint":
             for arg in call.args:
-                c, depth = self.block_of(arg.value)
+                c = self.block_of(arg.value)
                 if c is not None and self.selector.holds_blocks(c):
-                    self.note_loop_call(depth)
                     self.skip(
                         call,
                         arg.value,
@@ -338,10 +400,9 @@ class _ForwardScan:
         func = call.func
         shape: str
         if isinstance(func, cst.Name):
-            c, depth = self.lookup(func.value)
+            c, _ = self.lookup(func.value)
             if c is None or not self.selector.holds_blocks(c):
                 return
-            self.note_loop_call(depth)
             shape = "loop"
         elif isinstance(func, cst.Subscript):
             c = self.container_of(func.value)
@@ -360,7 +421,64 @@ class _ForwardScan:
                 if not self.selector.holds_blocks(c, called_whole=True):
                     return
                 shape = "sequential"
+        if self.dry:
+            self.result.rewritten.append(c)
+            return
         self.site(call, c, shape)
+
+    def loop_times(self, loop: cst.For) -> str:
+        """How many times ``loop`` runs, as code."""
+        it = loop.iter
+        c = self.container_of(it)
+        if c is not None and c.kind != "module":
+            return c.count or f"len({self.code(it)})"
+        if isinstance(it, cst.Call) and dotted_name(it.func) == "range" and len(it.args) == 1:
+            return self.code(it.args[0].value)
+        if isinstance(it, cst.Call) and dotted_name(it.func) == "enumerate" and it.args:
+            inner = it.args[0].value
+            c = self.container_of(inner)
+            if c is not None and c.kind != "module":
+                return c.count or f"len({self.code(inner)})"
+            return f"len({self.code(inner)})"
+        return f"len({self.code(it)})"
+
+    def times(self, c: Container, shape: str) -> str:
+        factors = [self.loop_times(loop) for loop in self.enclosing_loops()]
+        if shape == "sequential":
+            factors.append(c.count or f"len({self.self_name}.{c.path})")
+        if not factors:
+            return "1"
+        return " * ".join(f"({f})" if " " in f and len(factors) > 1 else f for f in factors)
+
+    def cache_conditions(self, call: cst.Call) -> tuple[str, ...] | str:
+        """Guard tests that keep a KV cache out of recomputation, or why there are none.
+
+        A recomputation in backward runs the block again: a cache it updates would get
+        every key twice (docs/design.md, pitfall 14). The call is checkpointed only when
+        the cache is off at run time: ``use_cache`` false, every cache argument None.
+        """
+        tests: list[str] = []
+        for arg in call.args:
+            keyword = arg.keyword.value if arg.keyword is not None else None
+            mentions = {n.value for n in _descendants(arg.value) if isinstance(n, cst.Name)}
+            if keyword not in _REPLAYED_STATE and not mentions & _REPLAYED_STATE:
+                continue
+            if arg.star:
+                return f"passes cache state through `{self.code(arg)}`; not wrapped"
+            value = arg.value
+            if isinstance(value, cst.Name) and value.value in ("None", "False"):
+                continue
+            if not _pure(value):
+                return f"passes cache state as `{self.code(value)}`, which annot cannot test; not wrapped"
+            code = self.code(value)
+            code = f"({code})" if not isinstance(value, cst.Name | cst.Attribute) else code
+            if keyword == "use_cache" or (keyword is None and mentions == {"use_cache"}):
+                if isinstance(value, cst.Name) and value.value == "True":
+                    return "passes use_cache=True: a recomputation would update the cache again; not wrapped"
+                tests.append(f"not {code}")
+            else:
+                tests.append(f"{code} is None")
+        return tuple(dict.fromkeys(tests))
 
     def site(self, call: cst.Call, c: Container, shape: str) -> None:
         stack = self.stack
@@ -373,18 +491,25 @@ class _ForwardScan:
                     if not isinstance(node, cst.Lambda)
                     else "a lambda (functools.reduce form)"
                 )
-                return self.skip(call, call.func, f"inside {form}; opt in with --functional")
+                return self.skip(
+                    call, call.func, f"inside {form}; opt in with --functional", unprotected=True
+                )
             if isinstance(node, cst.SimpleStatementLine | cst.SimpleStatementSuite):
                 stmt_depth = depth
                 break
             if isinstance(node, cst.BaseCompoundStatement):
                 return self.skip(
-                    call, call.func, "in the header of a compound statement; not wrapped"
+                    call,
+                    call.func,
+                    "in the header of a compound statement; not wrapped",
+                    unprotected=True,
                 )
         if stmt_depth is None:
             return
         if any(isinstance(n, cst.FunctionDef) for n in stack[self.base + 1 : stmt_depth]):
-            return self.skip(call, call.func, "inside a nested function; not wrapped")
+            return self.skip(
+                call, call.func, "inside a nested function; not wrapped", unprotected=True
+            )
         stmt = stack[stmt_depth]
         if not isinstance(stmt, cst.SimpleStatementLine) or not isinstance(
             stack[stmt_depth - 1], cst.IndentedBlock
@@ -393,10 +518,14 @@ class _ForwardScan:
                 call,
                 call.func,
                 "on the same line as its `for`/`if`; put it on its own line to wrap it",
+                unprotected=True,
             )
         if len(stmt.body) != 1:
             return self.skip(
-                call, call.func, "shares its line with other statements (`;`); not wrapped"
+                call,
+                call.func,
+                "shares its line with other statements (`;`); not wrapped",
+                unprotected=True,
             )
         for depth in range(self.base, stmt_depth):
             node, child = stack[depth], stack[depth + 1]
@@ -412,31 +541,37 @@ class _ForwardScan:
                     return self.skip(
                         call, call.func, "the other branch of this `if` already checkpoints it"
                     )
-        if self.target == "deepspeed" and any(
-            a.keyword is not None and a.keyword.value == "function" for a in call.args
-        ):
-            return self.skip(
-                call, call.func, "passes `function=`, which deepspeed's checkpoint takes itself"
-            )
-        replayed = sorted(
-            a.keyword.value
-            for a in call.args
-            if a.keyword is not None and a.keyword.value in _REPLAYED_STATE
-        )
+        conditions = self.cache_conditions(call)
+        if isinstance(conditions, str):
+            return self.skip(call, call.func, conditions, unprotected=True)
         warning = None
-        if replayed:
+        if conditions:
             warning = (
-                f"passes {', '.join(replayed)}: recomputation in backward runs the block again; "
-                "make sure no cache is updated in training"
+                "passes cache state: checkpointed only when "
+                + " and ".join(conditions)
+                + " at run time (a recomputation would update the cache again)"
             )
-        found = Found(tuple(stack), stmt, call, shape, self.qualname, c, warning)
-        if self.target == "deepspeed" and shape != "sequential":
+        for loop in self.enclosing_loops():
+            self.loops_reported.add(id(loop))
+        found = Found(
+            tuple(stack),
+            stmt,
+            call,
+            shape,
+            self.qualname,
+            c,
+            warning,
+            conditions=conditions,
+            times=self.times(c, shape),
+        )
+        if shape != "sequential":
             parent = stack[-2]
             small = stmt.body[0]
             if isinstance(parent, cst.Subscript) and parent.value is call and _is_int_index(parent):
-                found.hoist = True
+                found.hoist = self.target == "deepspeed"
             elif (
-                isinstance(small, cst.Assign)
+                self.target == "deepspeed"
+                and isinstance(small, cst.Assign)
                 and small.value is call
                 and len(small.targets) == 1
                 and isinstance(small.targets[0].target, cst.Name)
@@ -445,21 +580,102 @@ class _ForwardScan:
         self.result.found.append(found)
 
     def finish(self) -> FunctionScan:
-        for key, (loop, container) in self.loops.items():
-            if key not in self.loops_calling:
-                self.skip(
-                    loop.target, loop.target, f"loop over {container} does not call its element"
-                )
+        """Say why each loop over a module container got nothing wrapped."""
+        for key, (loop, c) in self.loops.items():
+            if key in self.loops_reported:
+                continue
+            container = f"{self.self_name}.{c.path}"
+            reason = self.selector.why_not(c)
+            if reason is None:
+                reason = "the loop does not call its element"
+            self.result.skipped.append(
+                Skipped(loop.target, self.qualname, f"loop over {container}", reason)
+            )
         for f in self.result.found:
             if f.retuple_name is not None and f.retuple_name not in self.int_indexed:
                 f.retuple_name = None
         return self.result
 
 
+def _pure(node: cst.BaseExpression) -> bool:
+    """An expression that can be evaluated twice with the same result (names, attributes,
+    constants, comparisons, ``a if c else b``): safe to repeat in the guard."""
+    allowed = (
+        cst.Name,
+        cst.Attribute,
+        cst.Integer,
+        cst.SimpleString,
+        cst.Comparison,
+        cst.ComparisonTarget,
+        cst.BooleanOperation,
+        cst.UnaryOperation,
+        cst.IfExp,
+        cst.BaseBooleanOp,
+        cst.BaseCompOp,
+        cst.BaseUnaryOp,
+    )
+    return all(isinstance(n, allowed) for n in _descendants(node))
+
+
 def _descendants(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
     yield node
     for child in child_nodes(node):
         yield from _descendants(child)
+
+
+def _class_contents(containers: dict[str, Container]) -> set[str]:
+    """Every class a module class holds, by name (list elements and unpacked items too)."""
+    out: set[str] = set()
+    for c in containers.values():
+        out.update(c.classes)
+        for item in c.items:
+            out.update(item)
+    return out
+
+
+def _outermost(scans: list[FunctionScan], holds: dict[str, set[str]]) -> None:
+    """Trunk mode: drop sites inside classes whose instances are themselves checkpointed
+    (litgpt's MoE experts inside a checkpointed block would run three times)."""
+    while True:
+        todo: list[tuple[str, str]] = []  # (class checkpointed whole, the class calling it)
+        for scan in scans:
+            for c in [f.container for f in scan.found] + scan.rewritten:
+                todo.extend((cls, scan.owner) for cls in c.classes)
+                todo.extend((cls, scan.owner) for item in c.items for cls in item)
+        inner: dict[str, str] = {}  # class -> the class whose trunk holds it
+        while todo:
+            cls, outer = todo.pop()
+            if cls in inner:
+                continue
+            inner[cls] = outer
+            todo.extend((c, outer) for c in holds.get(cls, ()))
+        moved = False
+        for scan in scans:
+            keep = []
+            for f in scan.found:
+                if f.owner in inner and inner[f.owner] != f.owner:
+                    outer = inner[f.owner]
+                    scan.skipped.append(
+                        Skipped(
+                            f.call,
+                            f.function,
+                            scan_code(f),
+                            f"inside {f.owner}, which is checkpointed whole from {outer}'s "
+                            f"trunk (the outermost trunk wins; --blocks {f.owner} or marks to choose)",
+                        )
+                    )
+                    moved = True
+                else:
+                    keep.append(f)
+            scan.found = keep
+        if not moved:
+            return
+
+
+def scan_code(f: Found) -> str:
+    module = f.path[0]
+    assert isinstance(module, cst.Module)
+    return module.code_for_node(f.call.func)
 
 
 def scan_module(
@@ -470,41 +686,51 @@ def scan_module(
     target: str,
     functional: bool = False,
 ) -> tuple[list[FunctionScan], list[Container]]:
-    """Scan every ``forward`` of every class at module level (or nested in classes)."""
+    """Scan every method (but ``__init__``) of every class at module level or nested in
+    classes; classes without a module container are skipped."""
     scans: list[FunctionScan] = []
-    chosen: list[Container] = []
+    holds: dict[str, set[str]] = {}
 
     def visit_class(cls: cst.ClassDef, path: tuple[cst.CSTNode, ...], prefix: str) -> None:
         body = cls.body
         if not isinstance(body, cst.IndentedBlock):
             return
-        methods = {s.name.value: s for s in body.body if isinstance(s, cst.FunctionDef)}
-        forward = methods.get("forward")
         inner_path = (*path, cls, body)
         for s in body.body:
             if isinstance(s, cst.ClassDef):
                 visit_class(s, inner_path, f"{prefix}{cls.name.value}.")
-        if forward is None:
+        methods = [s for s in body.body if isinstance(s, cst.FunctionDef)]
+        containers = read_containers(module, table, methods)
+        if not containers:
             return
-        containers = read_containers(module, table, methods.get("__init__"))
-        scan = _ForwardScan(
-            module,
-            table,
-            containers,
-            selector,
-            forward,
-            f"{prefix}{cls.name.value}.forward",
-            target,
-            functional,
-            (*inner_path,),
-        )
-        scan.walk(forward)
-        result = scan.finish()
-        scans.append(result)
-        used = {id(f.container) for f in result.found}
-        chosen.extend(c for c in containers.values() if id(c) in used)
+        holds.setdefault(cls.name.value, set()).update(_class_contents(containers))
+        for method in methods:
+            self_name = first_param(method)
+            if method.name.value == "__init__" or self_name is None:
+                continue
+            scan = _MethodScan(
+                module,
+                table,
+                containers,
+                selector,
+                method,
+                self_name,
+                f"{prefix}{cls.name.value}.{method.name.value}",
+                target,
+                functional,
+                inner_path,
+            )
+            scan.walk(method)
+            result = scan.finish()
+            result.owner = cls.name.value
+            for f in result.found:
+                f.owner = cls.name.value
+            scans.append(result)
 
     for stmt in module.body:
         if isinstance(stmt, cst.ClassDef):
             visit_class(stmt, (module,), "")
+    if selector.classes is None:
+        _outermost(scans, holds)
+    chosen = list({id(f.container): f.container for s in scans for f in s.found}.values())
     return scans, chosen

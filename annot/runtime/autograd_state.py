@@ -11,8 +11,10 @@ Detection is per call and costs two C calls. What it recognises:
 
 - any recomputation running inside backward (torch's non-reentrant and reentrant
   checkpoint, DeepSpeed's): autograd's current graph task id is set;
-- the first forward under torch's non-reentrant checkpoint: the innermost saved-tensor
-  hooks are the checkpoint's own (defined in ``torch.utils.checkpoint``);
+- the first forward under torch's non-reentrant checkpoint, or DeepSpeed's
+  ``non_reentrant_checkpoint`` (what ``annot rewrite --target deepspeed`` writes): the
+  innermost saved-tensor hooks are the checkpoint's own (defined in
+  ``torch.utils.checkpoint`` / DeepSpeed's checkpointing module);
 - the first forward under a reentrant checkpoint (torch ``use_reentrant=True``,
   DeepSpeed's) runs with autograd off, which callers already treat as "nothing to do".
 
@@ -50,8 +52,12 @@ import torch
 
 __all__ = ["in_backward", "under_outer_checkpoint"]
 
-# The module that defines torch's checkpoint hooks (its pack hooks are closures there).
-_TORCH_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+# The modules that define torch's and DeepSpeed's non-reentrant checkpoint hooks (their
+# pack hooks are closures there).
+_CHECKPOINT_HOOK_MODULES = {
+    "torch.utils.checkpoint",
+    "deepspeed.runtime.activation_checkpointing.checkpointing",
+}
 
 
 def in_backward() -> bool:
@@ -61,10 +67,11 @@ def in_backward() -> bool:
 
 def under_outer_checkpoint() -> bool:
     """True while a forward runs under an activation checkpoint someone else set up:
-    torch's non-reentrant checkpoint (first pass), or any recomputation in backward."""
+    torch's or DeepSpeed's non-reentrant checkpoint (first pass), or any recomputation in
+    backward."""
     if in_backward():
         return True
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is None:
         return False
-    return getattr(top[0], "__module__", None) == _TORCH_CHECKPOINT_MODULE
+    return getattr(top[0], "__module__", None) in _CHECKPOINT_HOOK_MODULES

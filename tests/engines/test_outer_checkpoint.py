@@ -17,9 +17,16 @@ from tests.engines.small_gpt import N_LAYER, RecomputeCounter, gpt
 
 BLOCKS = [f"transformer.h.{i}" for i in range(N_LAYER)]
 
+def _deepspeed_non_reentrant(function, *args):
+    """What `annot rewrite --target deepspeed` inserts (DeepSpeed imported on first use)."""
+    deepspeed = pytest.importorskip("deepspeed")
+    return deepspeed.checkpointing.non_reentrant_checkpoint(function, *args)
+
+
 CHECKPOINTS = {
     # What `annot rewrite --checkpoint torch` inserts.
     "torch-non-reentrant": functools.partial(checkpoint, use_reentrant=False),
+    "deepspeed-non-reentrant": _deepspeed_non_reentrant,
     # Reentrant, like deepspeed.checkpointing.checkpoint (which needs DeepSpeed set up).
     "torch-reentrant": functools.partial(checkpoint, use_reentrant=True),
 }

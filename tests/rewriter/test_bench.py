@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_rewrite_prints_its_table_and_counts():
     pytest.importorskip("transformers")
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "bench_rewrite.py"), "--limit", "4",
+        [sys.executable, "-m", "examples.bench_rewrite", "--limit", "4",
          "--jobs", "1", "2", "--verify"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -26,3 +26,4 @@ def test_bench_rewrite_prints_its_table_and_counts():
               for line in result.stdout.splitlines() if ": " in line and "corpus" not in line}
     assert counts["files"] == 4
     assert counts["crashed"] == counts["output does not parse"] == counts["undo differs"] == 0
+    assert counts["KV-cache calls with no cache test"] == 0

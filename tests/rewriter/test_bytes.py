@@ -13,7 +13,7 @@ from torch import nn
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(2, 2) for _ in range(2)])
+        self.layers = nn.ModuleList([Block(2) for _ in range(2)])
 
     def forward(self, x):
         for layer in self.layers:
@@ -57,7 +57,10 @@ def test_comments_and_blank_lines_are_kept() -> None:
         "\n\n\n            # a comment before the call, and blank lines\n            if self.training"
         in new
     )
-    assert "x = deepspeed.checkpointing.checkpoint(layer, x)  # trailing comment\n" in new
+    assert (
+        "x = deepspeed.checkpointing.non_reentrant_checkpoint(lambda layer=layer, x=x: layer(x))"
+        "  # trailing comment\n"
+    ) in new
 
 
 def test_only_the_wrapped_statement_and_the_import_change() -> None:
@@ -66,7 +69,8 @@ def test_only_the_wrapped_statement_and_the_import_change() -> None:
     assert [line for line in new_lines if line not in old_lines] == [
         "import deepspeed  # annot: import",
         "            if self.training and torch.is_grad_enabled():  # annot: checkpoint",
-        "                x = deepspeed.checkpointing.checkpoint(layer, x)  # trailing comment",
+        "                x = deepspeed.checkpointing.non_reentrant_checkpoint("
+        "lambda layer=layer, x=x: layer(x))  # trailing comment",
         "            else:",
         "                x = layer(x)  # trailing comment",
     ]

@@ -87,7 +87,9 @@ def test_marks_resolve_across_files(tmp_path: Path) -> None:
         "    def forward(self, x):\n        return self.b(self.a(x))\n"
     )
     assert main([str(tmp_path), "-q"]) == 0
-    assert "deepspeed.checkpointing.checkpoint(self.a, x)" in net.read_text()
+    assert "deepspeed.checkpointing.non_reentrant_checkpoint(lambda _block=self.a, x=x: _block(x))" in (
+        net.read_text()
+    )
 
 
 def test_parse_error_is_reported_and_others_processed(
@@ -138,7 +140,7 @@ def test_summary_and_deepspeed_snippet(model: Path, capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert "1 file(s) changed, 0 unchanged, 0 failed; 1 site(s) wrapped, 0 skipped" in err
     assert "deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)" in err
-    assert 'checkpoint calls per forward (for "number_checkpoints"): n' in err
+    assert 'checkpoint calls per forward (for "number_checkpoints"):\n  Net.forward: n' in err
 
 
 def test_verbose_lists_every_site(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -172,3 +174,68 @@ def test_blocks_that_match_nothing_are_reported(
     assert main([str(model), "--blocks", "Nope", "-q"]) == 0
     assert "warning: --blocks Nope: no forward calls these classes" in capsys.readouterr().err
     assert model.read_text() == SRC
+
+
+UNPROTECTED = """\
+from torch import nn
+
+
+class Block(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class Helper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.ModuleList([nn.Linear(2, 2) for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.mlp:
+            x = layer(x)
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def encode(self, x):
+        return [block(x) for block in self.blocks]
+"""
+
+
+def test_a_file_with_nothing_wrapped_says_why_per_loop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "net.py"
+    path.write_text(UNPROTECTED)
+    assert main([str(path), "--check"]) == 0  # nothing would change; trunk mode
+    err = capsys.readouterr().err
+    assert f"{path}:15:13: skipped loop over self.mlp in Helper.forward: elements are torch.nn" in err
+    assert f"{path}:26:17: skipped block in Net.encode: inside a comprehension" in err
+
+
+def test_check_fails_where_a_selected_block_cannot_be_wrapped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "net.py"
+    path.write_text(UNPROTECTED)
+    assert main([str(path), "--check", "--blocks", "Block"]) == 1
+    err = capsys.readouterr().err
+    assert "error: selected blocks called where they cannot be wrapped:" in err
+    assert f"{path}:26:17: block in Net.encode: inside a comprehension" in err
+    assert path.read_text() == UNPROTECTED
+
+
+def test_blocks_match_calls_in_any_method(tmp_path: Path) -> None:
+    path = tmp_path / "net.py"
+    path.write_text(UNPROTECTED.replace(
+        "        return [block(x) for block in self.blocks]\n",
+        "        for block in self.blocks:\n            x = block(x)\n        return x\n",
+    ))
+    assert main([str(path), "-q", "--blocks", "Block", "--target", "torch"]) == 0
+    assert "x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)" in (
+        path.read_text()
+    )

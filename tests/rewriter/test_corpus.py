@@ -1,6 +1,7 @@
 """Robustness over transformers' modeling files (a fixed sample; the full corpus is run by
 ``examples/bench_rewrite.py --verify``): no crash, every output parses, a second run
-changes nothing, undo gives the bytes back, files without a site stay byte-identical."""
+changes nothing, undo gives the bytes back, files without a site stay byte-identical,
+and every wrapped call passing KV-cache state tests the cache in its guard."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import libcst as cst
 import pytest
 
 from annot.rewriter import rewrite_source, undo_source
+from examples.bench_rewrite import kv_guards
 
 # About a second a file, 40 files: together too long for the fast lane.
 pytestmark = pytest.mark.slow
@@ -27,6 +29,7 @@ def test_corpus_file(path: Path, target: str) -> None:
     if not result.changed:
         assert result.code == source
         return
-    cst.parse_module(result.code)
+    _, unguarded = kv_guards(cst.parse_module(result.code))
+    assert unguarded == 0
     assert rewrite_source(result.code, target=target).code == result.code
     assert undo_source(result.code).code == source

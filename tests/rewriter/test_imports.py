@@ -16,7 +16,7 @@ def model(net_source) -> str:
 def test_existing_deepspeed_import_is_reused(rewrite, model) -> None:
     result = rewrite("import deepspeed\nimport torch\n" + model)
     assert result.imports_added == ()
-    assert "deepspeed.checkpointing.checkpoint(block, x)" in result.code
+    assert "deepspeed.checkpointing.non_reentrant_checkpoint(lambda block=block, x=x: block(x))" in result.code
 
 
 def test_optional_dependency_import_is_kept(rewrite, model) -> None:
@@ -24,7 +24,7 @@ def test_optional_dependency_import_is_kept(rewrite, model) -> None:
     result = rewrite("import torch\n" + optional + model)
     assert result.imports_added == ()  # no hard `import deepspeed` that would fail without it
     assert result.code.startswith("import torch\n" + optional)
-    assert "deepspeed.checkpointing.checkpoint(block, x)" in result.code
+    assert "deepspeed.checkpointing.non_reentrant_checkpoint(lambda block=block, x=x: block(x))" in result.code
 
 
 def test_torch_alias_is_used_in_the_guard(rewrite, model) -> None:
@@ -41,7 +41,7 @@ def test_missing_torch_is_imported_for_the_guard(rewrite, model) -> None:
 def test_name_taken_by_something_else_is_not_shadowed(rewrite, model) -> None:
     result = rewrite("import torch\ndeepspeed = 'a string the file uses'\n" + model)
     assert result.imports_added == ("import deepspeed as annot_deepspeed",)
-    assert "annot_deepspeed.checkpointing.checkpoint(block, x)" in result.code
+    assert "annot_deepspeed.checkpointing.non_reentrant_checkpoint(lambda block=block, x=x: block(x))" in result.code
 
 
 def test_torch_checkpoint_from_import_is_reused(rewrite, model) -> None:
