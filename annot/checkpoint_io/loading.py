@@ -101,7 +101,10 @@ class _Match:
 def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
     files = _safetensors_files(path)
     names = state_names(model, layout)
-    rename = _key_renamer(layout.bare_model(model))
+    # Keys that are all the model's own names need no renaming (the usual case: saved by
+    # this model class); transformers' renaming rules take about 0.4-0.7 s to build.
+    as_is = all(key in names for handle in files.values() for key in handle.keys())
+    rename = None if as_is else _key_renamer(layout.bare_model(model))
     available: dict[str, Path] = {}
     file_key: dict[str, str] = {}
     for file, handle in files.items():
