@@ -26,25 +26,38 @@ def _excluded(path: Path, root: Path, patterns: Iterable[str]) -> bool:
     )
 
 
-def find_python_files(paths: Iterable[str], exclude: Iterable[str] = ()) -> list[Path]:
-    """Files named, plus ``*.py`` under directories named (sorted, deduplicated).
+def find_python_files(paths: Iterable[str], exclude: Iterable[str] = (),
+                      unreadable: list[str] | None = None) -> list[Path]:
+    """Files named, plus ``*.py`` under directories named (sorted; a file reached twice,
+    e.g. through a symbolic link, once).
 
-    Raises FileNotFoundError for a path that does not exist.
+    A folder that cannot be listed is appended to ``unreadable`` (a message naming it)
+    instead of being skipped in silence. Raises FileNotFoundError for a path that does
+    not exist.
     """
     patterns = list(exclude)
-    found: dict[Path, None] = {}
+    found: dict[Path, Path] = {}  # the real file -> the first name it was found under
     for name in paths:
         path = Path(name)
         if path.is_dir():
-            for file in sorted(path.rglob("*.py")):
+            files: list[Path] = []
+
+            def note(error: OSError) -> None:
+                if unreadable is not None:
+                    unreadable.append(f"{error.filename}: cannot read this folder ({error.strerror})")
+
+            for folder, dirs, names in os.walk(path, onerror=note):
+                dirs.sort()
+                files += [Path(folder, n) for n in names if n.endswith(".py")]
+            for file in sorted(files):
                 if file.is_file() and not _excluded(file, path, patterns):
-                    found[file] = None
+                    found.setdefault(file.resolve(), file)
         elif path.is_file():
             if not _excluded(path, path.parent, patterns):
-                found[path] = None
+                found.setdefault(path.resolve(), path)
         else:
             raise FileNotFoundError(f"{name}: no such file or directory")
-    return list(found)
+    return list(found.values())
 
 
 def decode(data: bytes) -> tuple[str, str]:
@@ -64,14 +77,25 @@ def encode(text: str, encoding: str) -> bytes:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` via a temporary file and rename, keeping its mode."""
-    mode = path.stat().st_mode
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".annot-tmp", dir=path.parent)
+    """Replace ``path`` with ``data`` via a temporary file and rename, keeping its mode.
+
+    A symbolic link is written through: its target gets the new contents and the link
+    stays a link. A file without write permission (for this user, or marked read-only
+    with no write bit at all, which root could otherwise replace) is refused with
+    ``PermissionError``, as black refuses it: the rename would get past the permission.
+    """
+    target = path.resolve()
+    mode = target.stat().st_mode
+    if not os.access(target, os.W_OK) or not mode & 0o222:
+        raise PermissionError(f"{path} is read-only; not rewritten (make it writable to allow)")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".annot-tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, mode & 0o7777)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

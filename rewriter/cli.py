@@ -9,6 +9,8 @@ touched; the other files are still processed). Messages go to stderr, diffs to s
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import difflib
 import os
 import sys
@@ -120,6 +122,29 @@ def _marks_of(path: str) -> list:
         return []
 
 
+def _refuse_deep_nesting(text: str, path: str) -> None:
+    """CPython's parser refuses nesting beyond its limits with a ``SyntaxError``; libcst's
+    native parser can overflow the C stack on the same input and kill the process (3000
+    nested parentheses did, under ``-j 1``). So `ast` looks first; other syntax errors
+    are left to libcst, whose messages point at the spot."""
+    try:
+        ast.parse(text, filename=path)
+    except SyntaxError as e:
+        if "too many" in str(e.msg):  # "too many nested parentheses", "... levels of indentation"
+            raise RecursionError(e.msg) from None
+
+
+def _die_with_parent() -> None:
+    """In a worker: end when the parent ends, even if it was killed (Linux; elsewhere the
+    pool notices the lost parent at its next task)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _process(job: _Job) -> _Outcome:
     """Pass 2 (in a worker): rewrite or undo one file."""
     import libcst as cst
@@ -130,12 +155,15 @@ def _process(job: _Job) -> _Outcome:
     path = Path(job.path)
     try:
         text, encoding = decode(path.read_bytes())
+        _refuse_deep_nesting(text, job.path)
         if job.undo:
             result = undo_source(text)
         else:
             result = rewrite_source(
                 text, target=job.target, blocks=job.blocks, functional=job.functional
             )
+    except (RecursionError, MemoryError) as e:  # nesting deeper than the parsers go
+        return _Outcome(job.path, "failed", f"{job.path}:1:1: too deeply nested to parse ({e or type(e).__name__})")
     except cst.ParserSyntaxError as e:
         return _Outcome(
             job.path, "failed", f"{job.path}:{e.raw_line}:{e.raw_column + 1}: {e.message}"
@@ -186,7 +214,7 @@ def _run_all(func, items: Sequence, jobs: int, progress: bool) -> list:
         return results
     chunk = max(1, min(16, len(items) // (jobs * 4)))
     results = []
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, initializer=_die_with_parent) as pool:
         for i, r in enumerate(pool.map(func, items, chunksize=chunk)):
             results.append(r)
             if progress:
@@ -322,10 +350,13 @@ def main(argv: list[str] | None = None, prog: str = "annot rewrite") -> int:
     try:
         from annot.rewriter._files import find_python_files
 
-        files = find_python_files(args.paths, args.exclude)
+        unreadable: list[str] = []
+        files = find_python_files(args.paths, args.exclude, unreadable)
     except FileNotFoundError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    for message in unreadable:  # reported, and the exit status says so (below)
+        print(f"{prog}: error: {message}", file=sys.stderr)
     args.jobs = min(args.jobs, max(1, len(files)))
     progress = sys.stderr.isatty() and len(files) > 20 and not args.quiet
     blocks, selection = (None, "") if args.undo else _selection(args, files, progress)
@@ -341,4 +372,5 @@ def main(argv: list[str] | None = None, prog: str = "annot rewrite") -> int:
         )
         for f in files
     ]
-    return _report(args, _run_all(_process, jobs, args.jobs, progress), selection)
+    status = _report(args, _run_all(_process, jobs, args.jobs, progress), selection)
+    return 2 if unreadable else status

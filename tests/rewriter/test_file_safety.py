@@ -1,0 +1,142 @@
+"""`annot rewrite` and the files it is given (issue #20): it never replaces a file the user
+may not write, writes through symbolic links, reports every folder it cannot read, and a
+file that would crash the parser fails alone while every other file is still processed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from annot.rewriter.cli import main
+
+MODEL = """import torch.nn as nn
+
+
+class Block(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+"""
+
+
+def _rewrite(*argv: str) -> int:
+    return main(["--target", "torch", *argv])
+
+
+def test_a_read_only_file_is_refused_and_left_as_it_was(tmp_path, capsys):
+    file = tmp_path / "model.py"
+    file.write_text(MODEL)
+    file.chmod(0o444)
+    assert _rewrite(str(file)) == 2
+    assert file.read_text() == MODEL
+    assert "model.py is read-only; not rewritten" in capsys.readouterr().err
+
+
+def test_a_symlink_is_written_through_and_stays_a_link(tmp_path):
+    real = tmp_path / "real.py"
+    real.write_text(MODEL)
+    link = tmp_path / "link.py"
+    link.symlink_to("real.py")
+    assert _rewrite(str(link)) == 0
+    assert link.is_symlink() and os.readlink(link) == "real.py"
+    assert "checkpoint" in real.read_text()
+
+
+def test_a_file_reached_twice_is_rewritten_once(tmp_path, capsys):
+    (tmp_path / "real.py").write_text(MODEL)
+    (tmp_path / "link.py").symlink_to("real.py")
+    assert _rewrite(str(tmp_path)) == 0
+    assert "1 file(s) changed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_file_too_deep_for_the_parser_fails_alone(tmp_path, jobs):
+    """3000 nested parentheses overflowed libcst's native parser (a segfault under -j 1, a
+    broken process pool under -j 2, so no file was rewritten). Run in a subprocess: a
+    crash would take pytest with it."""
+    (tmp_path / "deep.py").write_text("x = " + "(" * 3000 + "1" + ")" * 3000 + "\n")
+    (tmp_path / "model.py").write_text(MODEL)
+    result = subprocess.run([sys.executable, "-m", "annot.cli", "rewrite", "--target", "torch", "-j", jobs,
+                             str(tmp_path)], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 2, result.stderr
+    assert "deep.py:1:1: too deeply nested to parse" in result.stderr
+    assert "checkpoint" in (tmp_path / "model.py").read_text()
+
+
+def test_an_unreadable_folder_is_reported():
+    """Run as an unprivileged user where the tests run as root (root reads any folder),
+    in a folder of its own (pytest's are private to their owner)."""
+    with tempfile.TemporaryDirectory() as folder:
+        _check_unreadable_folder(Path(folder))
+
+
+def _check_unreadable_folder(tmp_path: Path) -> None:
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "model.py").write_text(MODEL)
+    (tmp_path / "closed").mkdir()
+    (tmp_path / "closed" / "model.py").write_text(MODEL)
+    tmp_path.chmod(0o777)
+    (tmp_path / "ok").chmod(0o777)
+    (tmp_path / "ok" / "model.py").chmod(0o666)
+    (tmp_path / "closed").chmod(0o000)
+    demote = None
+    if os.geteuid() == 0:
+        if not _reachable_by_nobody(tmp_path):
+            pytest.skip("the temporary folder is not reachable by an unprivileged user here")
+        demote = _as_nobody
+    try:
+        result = subprocess.run([sys.executable, "-m", "annot.cli", "rewrite", "--target", "torch", str(tmp_path)],
+                                capture_output=True, text=True, timeout=120, preexec_fn=demote,
+                                cwd=Path(__file__).resolve().parents[2],
+                                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    finally:
+        (tmp_path / "closed").chmod(0o755)
+    assert result.returncode == 2, result.stderr
+    assert "closed: cannot read this folder" in result.stderr, result.stderr
+    assert "checkpoint" in (tmp_path / "ok" / "model.py").read_text()  # the rest is still done
+
+
+def _as_nobody() -> None:
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+def _reachable_by_nobody(path: Path) -> bool:
+    needed = [("-x", path), ("-r", Path(__file__)), ("-x", Path(sys.executable).resolve())]
+    return all(subprocess.run(["test", flag, str(p)], preexec_fn=_as_nobody, check=False).returncode == 0
+               for flag, p in needed)
+
+
+def test_a_folder_the_system_refuses_to_list_is_reported(tmp_path, monkeypatch, capsys):
+    """The same, with the refusal simulated at the one call that lists a folder (runs
+    wherever the tests run, root included)."""
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "model.py").write_text(MODEL)
+    (tmp_path / "closed").mkdir()
+    real_scandir = os.scandir
+
+    def scandir(path):
+        if Path(path).name == "closed":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert _rewrite(str(tmp_path)) == 2
+    assert "closed: cannot read this folder (Permission denied)" in capsys.readouterr().err
+    assert "checkpoint" in (tmp_path / "ok" / "model.py").read_text()
