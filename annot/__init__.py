@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         repeated_blocks,
     )
     from annot.policies.errors import AnnotError, PlanError
+    from annot.training_state import latest_state, load_state, save_state
     from annot.values import load, materialize, save
     from annot.wrap import auto_wrap
 
@@ -73,6 +74,9 @@ _EXPORTS = {
     "materialize": "annot.values",
     "load": "annot.values",
     "save": "annot.values",
+    "save_state": "annot.training_state",
+    "load_state": "annot.training_state",
+    "latest_state": "annot.training_state",
     "Trainable": "annot.engines.base",
     "FSDP2Options": "annot.engines.fsdp2",
     "FSDP1Options": "annot.engines.fsdp1",
@@ -120,7 +124,9 @@ __all__ = [
     "fsdp1_policies",
     "from_pretrained",
     "get_mark",
+    "latest_state",
     "load",
+    "load_state",
     "mark",
     "materialize",
     "meta_init",
@@ -131,6 +137,7 @@ __all__ = [
     "register_init",
     "repeated_blocks",
     "save",
+    "save_state",
     "shard_block",
     "unmark",
 ]
