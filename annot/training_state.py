@@ -36,7 +36,8 @@ import torch
 from annot.checkpoint_io import commit
 from annot.checkpoint_io.dcp_metadata import SafeFileSystemReader, read_metadata
 from annot.engines.base import Trainable
-from annot.engines.training_state import EngineState, TorchState
+from annot.engines.layout import shard_layout
+from annot.engines.training_state import EngineState, FlatState, TorchState
 from annot.errors import CheckpointError
 
 __all__ = ["PendingSave", "ResumedState", "latest_state", "load_state", "save_state"]
@@ -91,6 +92,8 @@ def engine_state(trainable: Trainable) -> EngineState:
         from annot.engines.deepspeed_state import DeepSpeedState
 
         return DeepSpeedState(trainable)
+    if trainable.engine == "fsdp1":
+        return FlatState(trainable, shard_layout(trainable.module))
     return TorchState(trainable)
 
 
@@ -195,19 +198,17 @@ def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step:
         "extra": _json_checked(extra or {}, "extra"),
     }
     expected = [".metadata", STATE_FILE, *(_rng_file(r) for r in range(world))]
+    # A save that fails or is killed leaves its staging folder as it is: never in the
+    # way (the next save clears it, loading skips it) and refused if named explicitly.
     staging = commit.begin(final, {"files": expected, "step": int(step), "world_size": world})
-    try:
-        commit.write_json(staging / _rng_file(rank), rng_states())
-        writer = dcp.FileSystemWriter(str(staging))
-        if async_save:
-            future = dcp.async_save(state, storage_writer=writer, process_group=_background_group())
-            pending = PendingSave(future, staging, final, directory, info, keep_last)
-            _pending.append(pending)
-            return pending
-        dcp.save(state, storage_writer=writer)
-    except BaseException:
-        commit.abandon(staging)
-        raise
+    commit.write_json(staging / _rng_file(rank), rng_states())
+    writer = dcp.FileSystemWriter(str(staging))
+    if async_save:
+        future = dcp.async_save(state, storage_writer=writer, process_group=_background_group())
+        pending = PendingSave(future, staging, final, directory, info, keep_last)
+        _pending.append(pending)
+        return pending
+    dcp.save(state, storage_writer=writer)
     _finish(staging, final, directory, info, keep_last)
     return final
 

@@ -29,7 +29,6 @@ from annot.errors import CheckpointError
 __all__ = [
     "MARKER",
     "PLAN",
-    "abandon",
     "begin",
     "commit",
     "is_committed",
@@ -114,12 +113,6 @@ def commit(staging: Path, final: Path, info: dict[str, Any] | None = None) -> Pa
         _fsync_dir(final.parent)
     _barrier()
     return final
-
-
-def abandon(staging: Path) -> None:
-    """Remove a staging folder after a failed save (rank 0; not collective)."""
-    if _rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def is_committed(path: str | os.PathLike[str]) -> bool:

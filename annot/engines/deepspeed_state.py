@@ -10,8 +10,8 @@ Each rank describes what it holds as `FlatChunks` of the parameter's real shape
 (`annot.checkpoint_io.flat_chunks`), so ``model.<name>`` and
 ``optim.state.<name>.<key>`` are the same tensors torch's FSDP2 / FSDP1 / DDP write,
 and a state moves between engines and world sizes through DCP's resharding. No rank
-holds more than its own partitions plus, while loading ZeRO-3, one copy of them (read
-into buffers, then handed to DeepSpeed's ``safe_set_local_*``).
+holds more than its own partitions (read in place; ZeRO-3's go through DeepSpeed's
+``safe_get_local_*`` / ``safe_set_local_*``).
 
 Where a parameter's range lies: stage 3, ``ds_tensor`` (as `annot.engines.deepspeed.
 shard_layout` reads it) and DeepSpeed's public ``safe_get_local_fp32_param`` /
@@ -35,6 +35,7 @@ from annot.engines.base import Trainable
 from annot.engines.deepspeed import shard_layout
 from annot.engines.training_state import Reader, groups_from_json, groups_to_json
 from annot.errors import CheckpointError
+from annot.meta.layout import ShardLayout
 
 __all__ = ["DeepSpeedState"]
 
@@ -57,6 +58,7 @@ class DeepSpeedState:
                 f"annot saves DeepSpeed training state with ZeRO stages 1-3 and a torch optimizer "
                 f"(this engine: stage {self.stage}, optimizer {type(self.inner).__name__})")
         self.names = {id(p): n for n, p in self.model.named_parameters()}
+        self._layout: ShardLayout | None = None
 
     # -- where things are ---------------------------------------------------------------
     def _partitions(self) -> list[torch.Tensor]:
@@ -114,7 +116,9 @@ class DeepSpeedState:
         the whole parameter."""
         if self.stage != 3:
             return [[(0, param.numel(), param.data.view(-1))]]
-        parts = shard_layout(self.model).parts.get(id(param), [])
+        if self._layout is None:
+            self._layout = shard_layout(self.model)
+        parts = self._layout.parts.get(id(param), [])
         return [[(p.start, p.stop, p.destination)] for p in parts]
 
     def _state_keys(self) -> dict[str, bool]:
@@ -265,20 +269,20 @@ class DeepSpeedState:
     def _destination(self, param: nn.Parameter, key: str | None,
                      setters: list[Callable[[], None]]) -> FlatChunks:
         """Where to read ``param``'s master weights or state ``key``: DeepSpeed's own
-        memory for ZeRO-1/2; for ZeRO-3 a copy of the local partition, handed to
-        DeepSpeed's ``safe_set_local_*`` after reading (``setters``)."""
+        memory for ZeRO-1/2. For ZeRO-3, what ``safe_get_local_*`` returns (DeepSpeed's
+        memory too, unless the state lives on another device, when it is a copy), handed
+        back through ``safe_set_local_*`` after reading (``setters``)."""
         local = self._master(param, key)
         if self.stage != 3 or local is None:
             return self._chunks(param, local)
-        buffer = local.detach().clone()
 
         def hand_over() -> None:
             from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
             if key is None:
-                safe_set_local_fp32_param(param, buffer)
+                safe_set_local_fp32_param(param, local)
             else:
-                safe_set_local_optimizer_state(param, buffer, key)
+                safe_set_local_optimizer_state(param, local, key)
 
         setters.append(hand_over)
-        return self._chunks(param, buffer)
+        return self._chunks(param, local)
