@@ -79,8 +79,8 @@ class TorchState:
         # get_state_dict creates the optimizer's state if it has none yet (a step with
         # zero gradients and lr 0), so there is something to read into.
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        read({"model": model_sd, "optim": {"state": optim_sd["state"]}})
         optim_sd["param_groups"] = groups_from_json(param_groups, optim_sd["param_groups"])
+        read({"model": model_sd, "optim": {"state": optim_sd["state"]}})
         set_state_dict(self.module, self.optimizer, model_state_dict=model_sd,
                        optim_state_dict=optim_sd)
 
