@@ -174,3 +174,36 @@ def test_load_state_refuses_what_it_cannot_resume(tmp_path):
         annot.load_state(tmp_path, trainable.model)  # type: ignore[arg-type]
     with pytest.raises(annot.CheckpointError, match="JSON"):
         annot.save_state(tmp_path, trainable, step=2, extra={"t": torch.ones(1)})
+
+
+def test_annot_load_reads_the_model_out_of_a_training_state(tmp_path):
+    trainable = _trainable()
+    _step(trainable)
+    saved = annot.save_state(tmp_path, trainable, step=1)
+    fresh = _trainable(seed=5).model
+    report = annot.load(fresh, saved)
+    assert report.loaded == 4 and not report.missing
+    assert all(torch.equal(a, b) for a, b in zip(trainable.model.parameters(), fresh.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("layout", ["torch", "lightning", "bare"])
+def test_annot_load_reads_common_dcp_layouts_when_asked(tmp_path, layout):
+    import torch.distributed.checkpoint as dcp
+
+    source = _trainable().model
+    state = {"torch": lambda sd: {"model": sd, "optim": {"state": {}}},
+             # Lightning's FSDPStrategy(state_dict_type="sharded") saves {"model": the
+             # LightningModule's state_dict, "optimizer_0": ...} (lightning 2.6,
+             # pytorch/strategies/fsdp.py); a module holding the net as self.model.
+             "lightning": lambda sd: {"model": {f"model.{k}": v for k, v in sd.items()},
+                                      "optimizer_0": {"state": {}}},
+             "bare": lambda sd: sd}[layout](source.state_dict())
+    dcp.save(state, checkpoint_id=str(tmp_path))
+    fresh = _trainable(seed=5).model
+    with pytest.raises(annot.CheckpointError, match="pass dcp=True"):
+        annot.load(fresh, tmp_path)  # a .metadata is a pickle: never read unasked
+    annot.load(fresh, tmp_path, dcp=True)
+    assert all(torch.equal(a, b) for a, b in zip(source.parameters(), fresh.parameters(), strict=True))
+    if layout == "torch":
+        with pytest.raises(annot.CheckpointError, match="missing 4"):
+            annot.load(fresh, tmp_path, dcp=True, prefix="")
