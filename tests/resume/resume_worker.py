@@ -138,14 +138,34 @@ def save_run(root: Path, name: str) -> dict:
             "save_peak": gathered(peak), "bytes": state_bytes()}
 
 
+def local_values(trainer) -> list[torch.Tensor]:
+    """What this rank keeps of each parameter (a DTensor's rows, an FSDP1 flat view, a
+    ZeRO-3 partition, a whole tensor), copied."""
+    out = []
+    for param in trainer.model.parameters():
+        value = getattr(param, "ds_tensor", None)
+        if value is None:
+            value = param.data.to_local() if hasattr(param.data, "to_local") else param.data
+        out.append(value.detach().clone())
+    return out
+
+
 def resume_run(root: Path, saved: str, name: str) -> dict:
     trainer, scheduler = build(name)
+    weights_only = None
+    if saved == name:  # annot.load reads the model out of the same state first
+        target = trainer.module if ENGINES[name]["engine"] == "fsdp1" else trainer.model
+        annot.load(target, annot.latest_state(root / saved))
+        weights_only = local_values(trainer)
     resumed, peak = peak_bytes(lambda: annot.load_state(root / saved, trainer, scheduler=scheduler))
+    same_weights = None if weights_only is None else all(
+        torch.equal(a, b) for a, b in zip(weights_only, local_values(trainer), strict=True))
     draws = torch.rand(3).tolist()
     losses = train(trainer, scheduler, range(resumed.step, STEPS))
     return {"losses": losses, "step": resumed.step, "extra": resumed.extra,
             "rng_restored": resumed.rng_restored, "draws": gathered(draws),
-            "load_peak": gathered(peak), "lr": scheduler.get_last_lr()}
+            "load_peak": gathered(peak), "lr": scheduler.get_last_lr(),
+            "annot_load_matches": gathered(same_weights)}
 
 
 def kill_during_save(root: Path, out: str, results: dict) -> None:

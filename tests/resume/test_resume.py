@@ -70,6 +70,13 @@ def test_resume_is_bitwise_on_the_same_engine_and_world(saved, on_two, engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_annot_load_reads_the_model_weights_of_a_training_state(on_two, engine):
+    """``annot.load(model, state)`` (weights only, each rank its part) gives every rank
+    the same values `load_state` then gives it."""
+    assert on_two[f"{engine}:{engine}"]["annot_load_matches"] == [True, True]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_scheduler_and_each_ranks_rng_come_back(saved, on_two, engine):
     run = on_two[f"{engine}:{engine}"]
     assert run["rng_restored"]
