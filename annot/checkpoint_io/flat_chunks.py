@@ -92,7 +92,8 @@ class FlatChunks(torch.Tensor):
         return f"FlatChunks(shape={tuple(self.shape)}, boxes={len(self._boxes)})"
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
+                           kwargs: Any = None) -> Any:
         if func is torch.ops.aten.detach.default:
             return args[0]
         raise TypeError(f"FlatChunks is a checkpoint placeholder (no storage): {func} is not "

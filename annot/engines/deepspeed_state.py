@@ -24,7 +24,7 @@ when the optimizer has not stepped yet (DeepSpeed creates it lazily at the first
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,6 +40,8 @@ from annot.meta.layout import ShardLayout
 __all__ = ["DeepSpeedState"]
 
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+# fp16's (dynamic) loss scale, so a resumed run scales as the saved one would have.
+_SCALER = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 Piece = tuple[int, int, torch.Tensor]  # elements [start, stop) of the flattened tensor, local 1-D
 
 
@@ -48,11 +50,12 @@ class DeepSpeedState:
     1, 2 or 3) and the torch optimizer inside it."""
 
     def __init__(self, trainable: Trainable) -> None:
-        self.engine = trainable.module
+        # DeepSpeed's engine and ZeRO optimizer: attributes torch's types do not declare.
+        self.engine: Any = cast(Any, trainable.module)
         self.model = trainable.model
-        self.zero = trainable.optimizer
-        self.inner: torch.optim.Optimizer = getattr(self.zero, "optimizer", None)  # type: ignore[assignment]
-        self.stage = int(self.engine.zero_optimization_stage())  # type: ignore[operator]
+        self.zero: Any = trainable.optimizer
+        self.inner: Any = getattr(self.zero, "optimizer", None)
+        self.stage = int(self.engine.zero_optimization_stage())
         if self.stage not in (1, 2, 3) or not isinstance(self.inner, torch.optim.Optimizer):
             raise CheckpointError(
                 f"annot saves DeepSpeed training state with ZeRO stages 1-3 and a torch optimizer "
@@ -64,17 +67,17 @@ class DeepSpeedState:
     def _partitions(self) -> list[torch.Tensor]:
         """The flat fp32 partitions the torch optimizer steps (its state's keys)."""
         if self.stage == 3:
-            return list(self.zero.fp32_partitioned_groups_flat)  # type: ignore[union-attr]
-        return list(self.zero.single_partition_of_fp32_groups)  # type: ignore[union-attr]
+            return list(self.zero.fp32_partitioned_groups_flat)
+        return list(self.zero.single_partition_of_fp32_groups)
 
     def _group_params(self) -> list[list[nn.Parameter]]:
         """The parameters of each of the torch optimizer's param groups."""
         groups: list[list[nn.Parameter]] = [[] for _ in self.inner.param_groups]
         if self.stage == 3:
-            for sub, params in enumerate(self.zero.fp16_groups):  # type: ignore[union-attr]
-                groups[self.zero.sub_group_to_group_id[sub]] += params  # type: ignore[union-attr]
+            for sub, params in enumerate(self.zero.fp16_groups):
+                groups[self.zero.sub_group_to_group_id[sub]] += params
         else:
-            for i, params in enumerate(self.zero.bit16_groups):  # type: ignore[union-attr]
+            for i, params in enumerate(self.zero.bit16_groups):
                 groups[i] += params
         return groups
 
@@ -174,8 +177,10 @@ class DeepSpeedState:
         for name, param in trained:
             state[name] = {key: self._chunks(param, self._master(param, key)) if per_element
                            else scalars[key] for key, per_element in keys.items()}
+        scaler = getattr(self.zero, "loss_scaler", None)
         return ({"model": model, "optim": {"state": state}}, self._param_groups(),
-                {k: int(getattr(self.engine, k, 0)) for k in _COUNTERS})
+                {**{k: int(getattr(self.engine, k, 0)) for k in _COUNTERS},
+                 "loss_scaler": {k: float(getattr(scaler, k)) for k in _SCALER if hasattr(scaler, k)}})
 
     def _param_groups(self) -> list[dict[str, Any]]:
         return groups_to_json([{**{k: v for k, v in group.items() if k != "params"},
@@ -238,6 +243,11 @@ class DeepSpeedState:
         for counter in _COUNTERS:
             if counter in engine_extras:
                 setattr(self.engine, counter, int(engine_extras[counter]))
+        scaler = getattr(self.zero, "loss_scaler", None)
+        for key, value in (engine_extras.get("loss_scaler") or {}).items():
+            if key in _SCALER and hasattr(scaler, key):
+                current = getattr(scaler, key)
+                setattr(scaler, key, int(value) if isinstance(current, int) else value)
 
     def _create_state(self, trained: list[tuple[str, nn.Parameter]],
                       keys: dict[str, Any]) -> dict[str, bool]:

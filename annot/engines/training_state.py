@@ -23,7 +23,7 @@ are returned as JSON-able data, kept out of DCP's pickled objects.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -70,7 +70,7 @@ class TorchState:
 
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         return ({"model": model_sd, "optim": {"state": optim_sd["state"]}},
-                groups_to_json(optim_sd["param_groups"]), {})
+                groups_to_json(cast("list[dict[str, Any]]", optim_sd["param_groups"])), {})
 
     def load(self, read: Reader, keys: dict[str, Any], param_groups: list[dict[str, Any]],
              engine_extras: dict[str, Any]) -> None:
@@ -79,7 +79,8 @@ class TorchState:
         # get_state_dict creates the optimizer's state if it has none yet (a step with
         # zero gradients and lr 0), so there is something to read into.
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        optim_sd["param_groups"] = groups_from_json(param_groups, optim_sd["param_groups"])
+        optim_sd["param_groups"] = groups_from_json(
+            param_groups, cast("list[dict[str, Any]]", optim_sd["param_groups"]))
         read({"model": model_sd, "optim": {"state": optim_sd["state"]}})
         set_state_dict(self.module, self.optimizer, model_state_dict=model_sd,
                        optim_state_dict=optim_sd)
