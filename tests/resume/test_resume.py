@@ -4,8 +4,9 @@ steps, for FSDP2, FSDP1, DDP, ZeRO-2 and ZeRO-3 (AdamW with weight decay and a L
 warm-up, so optimizer and scheduler state both matter); across engines; resharded from 2
 ranks to 1 and 4; a save killed half way; per-rank peak bytes during save and load.
 
-Launches: one 2-rank save (every engine, then the killed save), one 2-rank resume
-(every same-engine and cross-engine pair), one 1-rank and one 4-rank resume.
+Launches: one 2-rank save (every engine, then the killed save; FSDP2's save is
+asynchronous, committed after the following steps), one 2-rank resume (every same-engine
+and cross-engine pair), one 1-rank and one 4-rank resume.
 """
 
 from __future__ import annotations
