@@ -60,8 +60,8 @@ def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
 class FlatChunks(torch.Tensor):
     """A tensor of ``shape`` of which this rank holds flat ranges, for DCP.
 
-    ``pieces``: ``(start, stop, local)`` with ``local`` a 1-D tensor of at least
-    ``stop - start`` elements holding (save) or receiving (load) elements
+    ``pieces``: ``(start, stop, local)`` with ``local`` a contiguous tensor of at least
+    ``stop - start`` elements (read flattened) holding (save) or receiving (load) elements
     ``[start, stop)`` of the flattened tensor. DCP reads from and writes into views of
     ``local``, so a load lands in place. Placeholders have no storage of their own.
     """
@@ -76,9 +76,10 @@ class FlatChunks(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
         boxes: dict[tuple[int, ...], torch.Tensor] = {}
         for start, stop, local in pieces:
-            if local.dim() != 1 or local.numel() < stop - start:
-                raise ValueError(f"a flat piece [{start}, {stop}) needs a 1-D tensor of at least "
-                                 f"{stop - start} elements, got shape {tuple(local.shape)}")
+            if not local.is_contiguous() or local.numel() < stop - start:
+                raise ValueError(f"a flat piece [{start}, {stop}) needs a contiguous tensor of at "
+                                 f"least {stop - start} elements, got shape {tuple(local.shape)}")
+            local = local.view(-1)  # an engine may keep a whole parameter (FSDP1 on one rank)
             position = 0
             for offsets, sizes in flat_boxes(shape, start, stop):
                 count = math.prod(sizes)

@@ -207,3 +207,14 @@ def test_annot_load_reads_common_dcp_layouts_when_asked(tmp_path, layout):
     if layout == "torch":
         with pytest.raises(annot.CheckpointError, match="missing 4"):
             annot.load(fresh, tmp_path, dcp=True, prefix="")
+
+
+def test_flat_chunks_take_a_whole_parameter_as_its_flat_range(tmp_path):
+    """FSDP1 on one rank keeps parameters unflattened: the piece is read as flat."""
+    import torch.distributed.checkpoint as dcp
+
+    full = torch.randn(3, 4)
+    dcp.save({"w": full}, checkpoint_id=str(tmp_path))
+    target = torch.zeros(3, 4)
+    dcp.load({"w": FlatChunks((3, 4), torch.float32, [(0, 12, target)])}, checkpoint_id=str(tmp_path))
+    assert torch.equal(target, full)
