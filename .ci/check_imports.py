@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime, meta", ("annot.runtime", "annot.meta")),
     ("checkpoint_io", ("annot.checkpoint_io",)),
     ("engines", ("annot.engines",)),
-    ("wrap, values", ("annot.wrap", "annot.values")),
+    ("wrap, values", ("annot.wrap", "annot.values", "annot.training_state")),
     ("huggingface.pretrained", ("annot.huggingface.pretrained",)),
     ("trainer integrations", ("annot.lightning", "annot.accelerate")),
     ("memory", ("annot.memory",)),

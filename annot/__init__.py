@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         repeated_blocks,
     )
     from annot.policies.errors import AnnotError, PlanError
+    from annot.training_state import latest_state, load_state, save_state
     from annot.values import load, materialize, save
     from annot.wrap import auto_wrap
 
@@ -75,6 +76,9 @@ _EXPORTS = {
     "materialize": "annot.values",
     "load": "annot.values",
     "save": "annot.values",
+    "save_state": "annot.training_state",
+    "load_state": "annot.training_state",
+    "latest_state": "annot.training_state",
     "Trainable": "annot.engines.base",
     "apply_checkpointing": "annot.engines.activation_checkpointing",
     "FSDP2Options": "annot.engines.fsdp2",
@@ -128,7 +132,9 @@ __all__ = [
     "from_pretrained",
     "init_distributed",
     "get_mark",
+    "latest_state",
     "load",
+    "load_state",
     "mark",
     "materialize",
     "meta_init",
@@ -139,6 +145,7 @@ __all__ = [
     "register_init",
     "repeated_blocks",
     "save",
+    "save_state",
     "shard_block",
     "unmark",
 ]

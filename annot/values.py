@@ -30,10 +30,14 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
 
 
 def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
-         device: torch.device | str | None = None) -> LoadReport:
+         device: torch.device | str | None = None, dcp: bool = False,
+         prefix: str | None = None) -> LoadReport:
     """Load a checkpoint into ``model``, each rank reading only the rows it keeps
-    (`annot.checkpoint_io.loading.load`)."""
-    return loading.load(model, path, strict=strict, device=device, layout=shard_layout(model))
+    (`annot.checkpoint_io.loading.load`): safetensors, the model of an `annot.save_state`
+    training state, or (``dcp=True``) a torch distributed checkpoint whose keys carry
+    ``prefix`` (found from the keys if not given)."""
+    return loading.load(model, path, strict=strict, device=device, layout=shard_layout(model),
+                        dcp=dcp, prefix=prefix)
 
 
 def save(model: nn.Module | Trainable, directory: str | os.PathLike[str], *,

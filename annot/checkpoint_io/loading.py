@@ -2,7 +2,8 @@
 
 Sources: one ``.safetensors`` file; a directory of safetensors shards with a
 HuggingFace index (``model.safetensors.index.json``) or a single ``model.safetensors``;
-a torch distributed checkpoint (a directory with ``.metadata``). Each rank reads only
+a torch distributed checkpoint (a directory with ``.metadata``; read when annot
+committed it, a training state, or when asked: ``dcp=True``). Each rank reads only
 the rows of its own shards (positioned reads, no memory map): an FSDP2 DTensor's rows,
 or the rows covering the flat range an FSDP1 shard or a DeepSpeed ZeRO-3 partition
 holds. It converts the dtype on the way in and loads a tied parameter once.
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from annot._progress import Progress
+from annot.checkpoint_io import commit
 from annot.checkpoint_io.safetensors_file import SafetensorsFile
 from annot.errors import CheckpointError
 from annot.huggingface.keys import checkpoint_renamer, peft_renamer
@@ -49,7 +51,8 @@ class LoadReport:
 
 
 def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
-         device: torch.device | str | None = None, layout: ShardLayout = WHOLE) -> LoadReport:
+         device: torch.device | str | None = None, layout: ShardLayout = WHOLE,
+         dcp: bool = False, prefix: str | None = None) -> LoadReport:
     """Load ``path`` into ``model`` in place and return a `LoadReport`.
 
     ``strict=True`` raises `CheckpointError` listing missing and unexpected keys;
@@ -58,12 +61,31 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
     non-persistent buffers are recomputed from its `annot.meta_init` record, and the
     initialization of what the checkpoint provides is skipped. ``layout`` is where an
     engine that shards flattened parameters keeps them (`annot.load` asks the engines).
+
+    A torch distributed checkpoint (DCP) is read when annot committed the folder (a
+    training state of `annot.save_state`: its ``model.`` keys) or when ``dcp=True``
+    asks for it: its ``.metadata`` is a pickle (docs/design.md, pitfall 17), read
+    through an allowlist. ``prefix`` is what the checkpoint puts before the model's
+    names (``"model."`` in torch's ``{"model": ..., "optim": ...}`` layout,
+    ``"state_dict.model."`` for a Lightning module holding ``self.model``); ``None``
+    finds it from the keys.
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    if (path / ".metadata").is_file():
-        return _load_dcp(model, path, strict, layout)
+    if (path / ".metadata").is_file() and commit.is_committed(path):
+        commit.require_committed(path)
+        return _load_dcp(model, path, strict, layout, "model." if prefix is None else prefix)
+    if dcp:
+        return _load_dcp(model, path, strict, layout, prefix)
+    if prefix is not None:
+        raise CheckpointError(f"prefix={prefix!r} applies to torch distributed checkpoints: pass "
+                              "dcp=True to read one")
+    if (path / ".metadata").is_file() and not any(path.glob("*.safetensors")):
+        raise CheckpointError(
+            f"{path} holds a torch distributed checkpoint; its .metadata is a pickle, which annot "
+            "reads only when asked: pass dcp=True if you trust the folder (and prefix='model.' "
+            "or another if its keys carry one)")
     match = _match(model, path, layout)
     missing, unexpected, groups, available = match.missing, match.unexpected, match.groups, match.available
     if strict and (missing or unexpected):
@@ -146,8 +168,10 @@ def check_compatible(model: nn.Module, path: str | os.PathLike[str],
     (what is missing or extra is `load`'s business). ``auto_wrap(load_from=...)`` calls it
     before an engine allocates anything."""
     path = Path(path)
-    if (path / ".metadata").is_file():
-        return
+    if path.is_dir() and not any(path.glob("*.safetensors")):
+        return  # a torch distributed checkpoint, or nothing: `load` says which
+    if (path / ".metadata").is_file() and commit.is_committed(path):
+        return  # an annot training state: read as DCP by `load`
     _refuse_incompatible(model, _match(model, path, layout), layout)
 
 
@@ -377,18 +401,65 @@ def _fill_flat_parts(handle: SafetensorsFile, source: str, parts: list[FlatPart]
     return read
 
 
-def _load_dcp(model: nn.Module, path: Path, strict: bool, layout: ShardLayout) -> LoadReport:
+def _load_dcp(model: nn.Module, path: Path, strict: bool, layout: ShardLayout,
+              prefix: str | None) -> LoadReport:
+    """Read the model's state out of the DCP folder ``path``, keys ``prefix + name``:
+    each rank reads what it keeps (a DTensor's rows, a flat shard's range, a whole
+    tensor), through torch's resharding reads."""
     import torch.distributed.checkpoint as dcp
 
+    from annot.checkpoint_io.dcp_metadata import SafeFileSystemReader, read_metadata
+    from annot.checkpoint_io.flat_chunks import FlatChunks
+
     _allocate(model, None, skip=set(state_names(model, layout)), layout=layout)
-    state = model.state_dict()
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    keys = set(metadata.state_dict_metadata)
-    missing = sorted(set(state) - keys)
-    unexpected = sorted(keys - set(state))
+    names = state_names(model, layout)
+    keys = {k for k, v in read_metadata(path).state_dict_metadata.items() if hasattr(v, "chunks")}
+    if prefix is None:
+        prefix = _dcp_prefix(set(names), keys)
+    groups = _tied_groups(model, names, layout)
+    chosen = {group[0]: next((n for n in group if prefix + n in keys), None) for group in groups}
+    missing = [name for name, source in chosen.items() if source is None]
+    unexpected = sorted(k[len(prefix):] for k in keys if k.startswith(prefix) and k[len(prefix):] not in names)
     if strict and (missing or unexpected):
-        raise CheckpointError(_mismatch(path, missing, unexpected))
-    wanted = {k: v for k, v in state.items() if k in keys}
-    dcp.load(wanted, checkpoint_id=str(path))
-    read = sum(local(v).numel() * local(v).element_size() for v in wanted.values())
-    return LoadReport(tuple(missing), tuple(unexpected), len(wanted), read)
+        raise CheckpointError(_mismatch(path, missing, unexpected)
+                              + (f" (keys read under the prefix {prefix!r})" if prefix else ""))
+    # One read per destination a tensor has here (a ZeRO-3 persistent parameter keeps its
+    # partition and its whole value: two), each key once per read.
+    reads: list[dict[str, torch.Tensor]] = [{}]
+    read = loaded = 0
+    for group in groups:
+        source = chosen[group[0]]
+        if source is None:
+            continue
+        target = names[group[0]]
+        parts = layout.parts.get(id(target))
+        if parts:
+            while len(reads) < len(parts):
+                reads.append({})
+            for i, part in enumerate(parts):
+                reads[i][prefix + source] = FlatChunks(part.full_shape, target.dtype,
+                                                       [(part.start, part.stop, part.destination)])
+                read += max(part.stop - part.start, 0) * target.element_size()
+        else:
+            reads[0][prefix + source] = target.data if isinstance(target, nn.Parameter) else target
+            read += local(target).numel() * local(target).element_size()
+        loaded += 1
+    with torch.no_grad():
+        for state in reads:
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+    return LoadReport(tuple(missing), tuple(unexpected), loaded, read)
+
+
+def _dcp_prefix(names: set[str], keys: set[str]) -> str:
+    """What the checkpoint's keys put before the model's names: the prefix under which
+    most of them are found ("" if all are there as they are)."""
+    if names <= keys:
+        return ""
+    counts: dict[str, int] = defaultdict(int)
+    for key in keys:
+        for i, char in enumerate(key):
+            if char == "." and key[i + 1:] in names:
+                counts[key[:i + 1]] += 1
+    if not counts:
+        return ""
+    return max(counts, key=lambda p: (counts[p], -len(p)))

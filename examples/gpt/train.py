@@ -1,12 +1,17 @@
 """Train the example GPT for a few steps on N processes, sharded by annot.
 
     torchrun --nproc_per_node 2 examples/gpt/train.py [--steps 20] [--engine fsdp2|fsdp1|ddp|deepspeed]
+                                                      [--resume DIR --save-every N]
 
 The model is built under annot.meta_init (no memory) and materialized by auto_wrap.
 Rank 0 prints the Plan, then the loss of every step (averaged over ranks). The data is a
 fixed synthetic set of counting sequences (each token is the previous one plus a
 per-sequence stride), so the loss falls within a few steps. Runs on CPU (gloo) or GPUs
 (nccl); run without torchrun it trains in one process.
+
+With ``--resume DIR`` it continues from the newest complete training state in DIR (model,
+optimizer, step, RNG; any world size or engine), if there is one, and with
+``--save-every N`` saves one there every N steps (`annot.save_state`, the last two kept).
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="checkpoint every block / none (default: as the Plan says)")
     parser.add_argument("--offload", action="store_true", help="FSDP2: parameters on CPU")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", metavar="DIR", default=None,
+                        help="continue from the newest training state in DIR, and save there")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="with --resume: save the training state every N steps")
     return parser.parse_args(argv)
 
 
@@ -80,9 +89,16 @@ def main(argv: list[str] | None = None) -> list[float]:
         data = counting_data(args.steps * world * args.batch_size, args.block_size,
                              args.vocab_size, args.seed + 1)
         device = next(trainer.parameters()).device
+        first_step = 0
+        if args.resume and annot.latest_state(args.resume) is not None:
+            # The data is indexed by step, so the step is also the position in the data.
+            first_step = annot.load_state(args.resume, trainer).step
+            if rank == 0:
+                print(f"resumed from {annot.latest_state(args.resume)} at step {first_step}",
+                      flush=True)
         losses = []
         start = time.perf_counter()
-        for step in range(args.steps):
+        for step in range(first_step, args.steps):
             first = (step * world + rank) * args.batch_size  # this rank's rows of this step
             batch = data[first : first + args.batch_size].to(device)
             _, loss = trainer(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
@@ -94,9 +110,11 @@ def main(argv: list[str] | None = None) -> list[float]:
             losses.append(mean.item() / world)
             if rank == 0:
                 print(f"step {step:3d}  loss {losses[-1]:.4f}", flush=True)
-        if rank == 0:
+            if args.resume and args.save_every and (step + 1) % args.save_every == 0:
+                annot.save_state(args.resume, trainer, step=step + 1, keep_last=2)
+        if rank == 0 and losses:
             print(f"{args.engine} on {world} process(es): loss {losses[0]:.4f} -> "
-                  f"{losses[-1]:.4f} in {args.steps} steps, {time.perf_counter() - start:.1f} s")
+                  f"{losses[-1]:.4f} in {len(losses)} steps, {time.perf_counter() - start:.1f} s")
         dist.barrier()  # no rank tears gloo down while another is still in a collective
         return losses
     finally:

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from tests.distributed import torchrun
-from tests.huggingface.hf_archs import ARCHS, LAUNCH_TIMEOUT_S, PRETRAINED_DISTRIBUTED
+from tests.huggingface.hf_archs import (
+    ARCHS,
+    LAUNCH_TIMEOUT_S,
+    PRETRAINED_DISTRIBUTED,
+    PlantedPickle,
+)
 
 pytest.importorskip("transformers")
 
@@ -19,13 +24,19 @@ WORKER = Path(__file__).with_name("hf_worker.py")
 
 @pytest.fixture(scope="session")
 def saved_models(tmp_path_factory) -> dict[str, Path]:
-    """Each architecture from the shared seed, saved with ``save_pretrained``."""
+    """Each architecture from the shared seed, saved with ``save_pretrained``, with a
+    planted ``.metadata`` beside it (`PlantedPickle`; sentinel: `planted_sentinel`)."""
+    import pickle
+
     root = tmp_path_factory.mktemp("pretrained")
     out = {}
     for name, arch in ARCHS.items():
         arch.build().save_pretrained(root / name)
+        (root / name / ".metadata").write_bytes(pickle.dumps(PlantedPickle(root / "PLANTED-PICKLE-RAN")))
         out[name] = root / name
     return out
+
+
 
 
 ENGINE_FIXTURES = {"fsdp2": "fsdp2_run", "deepspeed": "zero3_run"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -168,3 +169,19 @@ def count_recomputation(model: torch.nn.Module, layer: str) -> Callable[[bool], 
         return state["count"]
 
     return switch
+
+
+class PlantedPickle:
+    """Unpickling this creates ``path``: planted as ``.metadata`` (a torch distributed
+    checkpoint's pickle) beside every saved model, it shows whether anything read it
+    (issue #20; docs/design.md, pitfall 17)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def planted_sentinel(saved_models: dict[str, Path]) -> Path:
+    return next(iter(saved_models.values())).parent / "PLANTED-PICKLE-RAN"

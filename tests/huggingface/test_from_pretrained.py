@@ -10,7 +10,13 @@ import pytest
 import torch
 
 import annot
-from tests.huggingface.hf_archs import ARCHS, PRETRAINED_DISTRIBUTED, TOLERANCE, probe_inputs
+from tests.huggingface.hf_archs import (
+    ARCHS,
+    PRETRAINED_DISTRIBUTED,
+    TOLERANCE,
+    planted_sentinel,
+    probe_inputs,
+)
 
 
 def transformers_logits(name: str, directory, **options) -> torch.Tensor:
@@ -135,3 +141,11 @@ def test_fsdp2_from_pretrained_on_two_ranks(fsdp2_run, saved_models, name):
 @pytest.mark.distributed
 def test_zero3_from_pretrained_on_two_ranks(zero3_run, saved_models):
     _check_distributed(zero3_run["pretrained"]["llama"], "llama", saved_models["llama"])
+
+
+def test_a_planted_metadata_pickle_never_runs(fsdp2_run, saved_models):
+    """Every model folder of these tests holds a ``.metadata`` whose unpickling creates a
+    file; after the 1-rank tests above and the 2-rank FSDP2 launch (all of which loaded
+    the right values) the file does not exist (docs/design.md, pitfall 17)."""
+    assert fsdp2_run  # the 2-rank from_pretrained runs happened
+    assert not planted_sentinel(saved_models).exists()

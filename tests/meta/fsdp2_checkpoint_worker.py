@@ -40,7 +40,7 @@ def run(source: str, out: str) -> list[dict]:
     annot.save(model, Path(out) / "saved", max_shard_bytes=100_000)
     dcp.save(model.state_dict(), checkpoint_id=str(Path(out) / "dcp"))
     other = sharded_meta_gpt(mesh)
-    annot.load(other, Path(out) / "dcp")
+    annot.load(other, Path(out) / "dcp", dcp=True)
     same = all(torch.equal(a.full_tensor(), b.full_tensor())
                for a, b in zip(model.parameters(), other.parameters(), strict=True))
     results = [None] * world

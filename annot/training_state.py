@@ -1,0 +1,350 @@
+"""`annot.save_state` / `annot.load_state`: checkpoint and resume whole training runs.
+
+A training state is one folder per save, ``DIR/step-00000042``, holding:
+
+- a torch distributed checkpoint (DCP: ``.metadata`` and each rank's ``.distcp`` files)
+  of the model and optimizer state in torch's layout (``model.<name>``,
+  ``optim.state.<name>.<key>``, names as in the bare model; `annot.engines.
+  training_state`), each rank writing and reading only its pieces, so it loads on any
+  world size and into any engine annot wraps;
+- ``trainer_state.json``: the step, the optimizer's param groups, the scheduler's state,
+  the user's ``extra``, the engine and world size that wrote it, engine counters;
+- ``rng-rank00000.json``, one per rank: that rank's random number generator states;
+- ``COMMITTED``, written last (`annot.checkpoint_io.commit`): a folder without it is an
+  interrupted save, refused with what it lacks.
+
+Everything but the tensors is JSON, so nothing is unpickled but DCP's own metadata,
+and that through an allowlist, for folders annot committed (docs/design.md, pitfall 17).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from annot.checkpoint_io import commit
+from annot.checkpoint_io.dcp_metadata import SafeFileSystemReader, read_metadata
+from annot.engines.base import Trainable
+from annot.engines.layout import shard_layout
+from annot.engines.training_state import EngineState, FlatState, TorchState
+from annot.errors import CheckpointError
+
+__all__ = ["PendingSave", "ResumedState", "latest_state", "load_state", "save_state"]
+
+FORMAT = "annot-training-state"
+VERSION = 1
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_log = logging.getLogger("annot")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumedState:
+    """What `load_state` restored besides the model and optimizer."""
+
+    path: Path
+    step: int
+    extra: dict[str, Any]
+    #: The world size and engine that wrote the state.
+    saved_world_size: int
+    saved_engine: str
+    #: Whether this rank's RNG states were restored (same world size only).
+    rng_restored: bool
+
+
+def _world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng-rank{rank:05d}.json"
+
+
+def step_folder(directory: str | os.PathLike[str], step: int) -> Path:
+    """Where `save_state` puts ``step`` under ``directory``."""
+    return Path(directory) / f"step-{step:08d}"
+
+
+def _json_checked(value: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{what} must be JSON data (numbers, strings, lists, dicts): {exc}; "
+                              "keep tensors in the model or optimizer") from None
+
+
+def engine_state(trainable: Trainable) -> EngineState:
+    """The `EngineState` of ``trainable``'s engine (DeepSpeed's imported only for it)."""
+    if trainable.engine == "deepspeed":
+        from annot.engines.deepspeed_state import DeepSpeedState
+
+        return DeepSpeedState(trainable)
+    if trainable.engine == "fsdp1":
+        return FlatState(trainable, shard_layout(trainable.module))
+    return TorchState(trainable)
+
+
+# -- random number generators --------------------------------------------------------------
+def _bytes(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.numpy().tobytes()).decode()
+
+
+def _tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's RNG states (torch CPU and CUDA, Python, NumPy if imported), JSON."""
+    version, state, gauss = random.getstate()
+    out: dict[str, Any] = {"torch": _bytes(torch.get_rng_state()),
+                           "python": [version, list(state), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_bytes(s) for s in torch.cuda.get_rng_state_all()]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+        out["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
+    return out
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what `rng_states` returned."""
+    torch.set_rng_state(_tensor(states["torch"]))
+    version, state, gauss = states["python"]
+    random.setstate((version, tuple(state), gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_tensor(s) for s in states["cuda"]])
+    numpy = sys.modules.get("numpy")
+    if "numpy" in states and numpy is not None:
+        kind, keys, pos, has_gauss, cached = states["numpy"]
+        numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
+
+
+# -- save ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PendingSave:
+    """An asynchronous save whose files are being written in the background. `wait`
+    (collective: every rank calls it) finishes it and commits; the next `save_state`
+    and `load_state` do so first by themselves."""
+
+    future: Any
+    staging: Path
+    final: Path
+    directory: Path
+    info: dict[str, Any]
+    keep_last: int | None
+    done: bool = False
+
+    def wait(self) -> Path:
+        if not self.done:
+            self.done = True
+            self.future.result()
+            _finish(self.staging, self.final, self.directory, self.info, self.keep_last)
+        return self.final
+
+
+_pending: list[PendingSave] = []
+_async_group: list[Any] = []
+
+
+def _finish_pending() -> None:
+    while _pending:
+        _pending.pop().wait()
+
+
+def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step: int,
+               scheduler: Any = None, extra: dict[str, Any] | None = None,
+               keep_last: int | None = None, async_save: bool = False) -> Path | PendingSave:
+    """Save ``trainable``'s whole training state to ``directory/step-<step>``.
+
+    Collective: every rank calls it and writes only its own pieces. ``scheduler``: an LR
+    scheduler (anything with ``state_dict``), ``extra``: JSON data of your own (data
+    position, metrics), returned by `load_state`. ``keep_last=K`` deletes all but the K
+    newest committed states under ``directory`` after this one is committed.
+    ``async_save=True`` returns once the tensors are copied (``dcp.async_save``) and
+    writes them in the background; the returned `PendingSave` commits on ``wait()``, or
+    at the next `save_state`. Returns the committed folder (or the pending save).
+    """
+    if not isinstance(trainable, Trainable):
+        raise TypeError(f"save_state takes the Trainable auto_wrap(..., optimizer=...) returns, "
+                        f"not {type(trainable).__name__}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    _finish_pending()
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = _world()
+    directory = Path(directory)
+    final = step_folder(directory, step)
+    state, groups, counters = engine_state(trainable).save_dict()
+    info = {
+        "format": FORMAT, "version": VERSION, "step": int(step), "engine": trainable.engine,
+        "world_size": world, "param_groups": groups, "engine_state": counters,
+        "scheduler": _json_checked(scheduler.state_dict(), "the scheduler's state")
+        if scheduler is not None else None,
+        "extra": _json_checked(extra or {}, "extra"),
+    }
+    expected = [".metadata", STATE_FILE, *(_rng_file(r) for r in range(world))]
+    # A save that fails or is killed leaves its staging folder as it is: never in the
+    # way (the next save clears it, loading skips it) and refused if named explicitly.
+    staging = commit.begin(final, {"files": expected, "step": int(step), "world_size": world})
+    commit.write_json(staging / _rng_file(rank), rng_states())
+    writer = dcp.FileSystemWriter(str(staging))
+    if async_save:
+        future = dcp.async_save(state, storage_writer=writer, process_group=_background_group())
+        pending = PendingSave(future, staging, final, directory, info, keep_last)
+        _pending.append(pending)
+        return pending
+    dcp.save(state, storage_writer=writer)
+    _finish(staging, final, directory, info, keep_last)
+    return final
+
+
+def _background_group() -> Any:
+    """A gloo group of its own for background saves, so their collectives never meet
+    the training's (torch's advice for ``dcp.async_save``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    if not _async_group:
+        _async_group.append(torch.distributed.new_group(backend="gloo"))
+    return _async_group[0]
+
+
+def _finish(staging: Path, final: Path, directory: Path, info: dict[str, Any],
+            keep_last: int | None) -> None:
+    if _world()[0] == 0:
+        commit.write_json(staging / STATE_FILE, info)
+    commit.commit(staging, final, {"format": FORMAT, "step": info["step"]})
+    if keep_last is not None and _world()[0] == 0:
+        for old in _committed(directory)[:-keep_last]:
+            shutil.rmtree(old)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+# -- load ----------------------------------------------------------------------------------
+def _committed(directory: Path) -> list[Path]:
+    """Committed step folders under ``directory``, oldest first."""
+    found = []
+    for child in directory.iterdir() if directory.is_dir() else []:
+        match = _STEP_DIR.match(child.name)
+        if match and commit.is_committed(child):
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def latest_state(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest committed state under ``directory`` (None if there is none)."""
+    found = _committed(Path(directory))
+    return found[-1] if found else None
+
+
+def _resolve(directory: Path) -> Path:
+    """``directory`` itself if it is one save (committed or not), else its newest
+    committed save; interrupted saves beside it are logged."""
+    if (directory / commit.MARKER).exists() or (directory / commit.PLAN).exists():
+        return directory
+    latest = latest_state(directory)
+    partial = [p.name for p in directory.glob(".step-*.partial")] if directory.is_dir() else []
+    if latest is None:
+        raise CheckpointError(
+            f"{directory}: no committed training state (no step-*/{commit.MARKER})"
+            + (f"; interrupted saves: {', '.join(sorted(partial))}" if partial else ""))
+    if partial:
+        _log.warning("%s: ignoring interrupted saves %s; resuming from %s", directory,
+                     ", ".join(sorted(partial)), latest.name)
+    return latest
+
+
+def load_state(directory: str | os.PathLike[str], trainable: Trainable, *,
+               scheduler: Any = None, strict: bool = True) -> ResumedState:
+    """Restore ``trainable`` (model, optimizer), ``scheduler`` and this rank's RNG states
+    from a state `save_state` wrote, on any world size and engine.
+
+    ``directory``: one save (``DIR/step-...``) or the folder holding them (the newest
+    committed one is taken). An interrupted save is refused with what it lacks.
+    Collective. RNG states come back only on the world size that saved them (each rank
+    its own); elsewhere they are left as they are and logged. ``strict=False`` lets
+    keys the checkpoint lacks keep their current values (listed in the log).
+    """
+    if not isinstance(trainable, Trainable):
+        raise TypeError(f"load_state takes the Trainable auto_wrap(..., optimizer=...) returns, "
+                        f"not {type(trainable).__name__}")
+    _finish_pending()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    path = _resolve(Path(directory))
+    commit.require_committed(path)
+    info = json.loads((path / STATE_FILE).read_text())
+    if info.get("format") != FORMAT or info.get("version") != VERSION:
+        raise CheckpointError(f"{path / STATE_FILE}: format {info.get('format')!r} version "
+                              f"{info.get('version')!r}, this annot reads {FORMAT!r} {VERSION}")
+    metadata = read_metadata(path)
+    keys = {k: v for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
+    _check_coverage(path, keys)
+    missing: set[str] = set()
+
+    def read(state: dict[str, Any]) -> None:
+        wanted = _flat_keys(state)
+        absent = sorted(wanted - set(keys))
+        if absent and strict:
+            raise CheckpointError(
+                f"{path} lacks {len(absent)} of this model's keys: {', '.join(absent[:8])}"
+                f"{' ...' if len(absent) > 8 else ''} (pass strict=False to keep their values)")
+        missing.update(absent)
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)),
+                 planner=DefaultLoadPlanner(allow_partial_load=not strict))
+
+    engine_state(trainable).load(read, keys, info["param_groups"], info.get("engine_state") or {})
+    if missing:
+        _log.warning("%s: kept the current values of %s (not in the checkpoint)", path,
+                     ", ".join(sorted(missing)[:8]))
+    if scheduler is not None:
+        if info.get("scheduler") is None:
+            raise CheckpointError(f"{path} holds no scheduler state, but a scheduler was passed")
+        scheduler.load_state_dict(info["scheduler"])
+    rank, world = _world()
+    same_world = info["world_size"] == world
+    if same_world:
+        set_rng_states(json.loads((path / _rng_file(rank)).read_text()))
+    elif rank == 0:
+        _log.warning("%s was saved on %d ranks and is loaded on %d: random number generators "
+                     "are not restored", path, info["world_size"], world)
+    return ResumedState(path, int(info["step"]), info.get("extra") or {}, int(info["world_size"]),
+                        str(info["engine"]), same_world)
+
+
+def _flat_keys(state: dict[str, Any], prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out |= _flat_keys(value, f"{prefix}{key}.")
+        else:
+            out.add(prefix + key)
+    return out
+
+
+def _check_coverage(path: Path, keys: dict[str, Any]) -> None:
+    """Every saved tensor's chunks cover it whole (a save that lost a rank's pieces
+    would otherwise load zeros there)."""
+    import math
+
+    for key, meta in keys.items():
+        covered = sum(math.prod(chunk.sizes) for chunk in meta.chunks)
+        if covered != math.prod(meta.size):
+            raise CheckpointError(f"{path}: {key} has {covered} of its {math.prod(meta.size)} "
+                                  "elements: the checkpoint is damaged")
