@@ -22,9 +22,10 @@ def test_defaults_train_like_plain_pytorch(model):
     zero = config["zero_optimization"]
     assert zero["stage"] == 2
     # Buffers sized from the Plan's largest unit, not DeepSpeed's fixed 5e8 elements.
-    unit = max(u.params for u in annot.plan(model).units)
-    assert unit < annot.plan(model).root.params  # embeddings and head: the largest "unit"
-    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == annot.plan(model).root.params
+    plan = annot.plan(model)
+    unit = max(u.params for u in plan.units)
+    assert unit > plan.root.params  # here a block is the largest unit
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == unit
     assert zero["contiguous_gradients"] is True and zero["overlap_comm"] is False
     assert "bf16" not in config and "fp16" not in config
     assert config["activation_checkpointing"]["number_checkpoints"] == 4  # the Plan's blocks
@@ -57,7 +58,7 @@ def test_offload_follows_the_plan_marks(model):
 
 def test_zero3_buffers_are_written_out_and_bounded(model):
     zero = annot.deepspeed_config(model, stage=3)["zero_optimization"]
-    largest = annot.plan(model).root.params
+    largest = max(u.params for u in annot.plan(model).units)
     assert zero["stage3_prefetch_bucket_size"] == largest
     assert zero["stage3_max_live_parameters"] == 2 * largest  # the running unit and the next
     assert zero["stage3_max_reuse_distance"] == largest
