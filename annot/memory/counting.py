@@ -57,6 +57,7 @@ class LiveBytes(TorchDispatchMode):
         self.phase_peaks: dict[str, int] = {}
         self._phase: str | None = None
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
+        self._excluded: set[int] = set()
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._on_change = on_change
         self._orig_resize: Any = None
@@ -84,12 +85,22 @@ class LiveBytes(TorchDispatchMode):
                 self._on_change(self.current)
 
     def track(self, t: torch.Tensor) -> None:
-        """Count ``t``'s storages from now on (re-reads the size of known ones)."""
+        """Count ``t``'s storages from now on (re-reads the size of known ones). Meta
+        tensors hold no memory (fake tensors report the device they stand in for)."""
+        if t.device.type == "meta":
+            return
         for st in storages_of(t):
             key = id(st)
+            if key in self._excluded:
+                continue
             if key not in self._refs:
                 self._refs[key] = weakref.ref(st, lambda _ref, key=key: self._freed(key))
             self._set(key, st.nbytes())
+
+    def exclude(self, t: torch.Tensor) -> None:
+        """Never count ``t``'s storages (kept alive by the caller: parameters accounted
+        elsewhere, whose views every forward outputs)."""
+        self._excluded.update(id(st) for st in storages_of(t))
 
     def bytes_of(self, t: torch.Tensor) -> int:
         """Bytes counted for ``t``'s storages (0 for storages not tracked)."""
