@@ -61,14 +61,20 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     memory.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (default: 1)")
     memory.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
     memory.add_argument("--precision", default="bf16-mixed",
-                        choices=("fp32", "bf16-mixed", "fp16-mixed", "bf16"),
-                        help="fp32, 16-bit mixed with fp32 master weights, or pure bf16 (default: bf16-mixed)")
+                        choices=("fp32", "amp", "bf16-mixed", "fp16-mixed", "bf16"),
+                        help="fp32; amp (fp32 states, torch.autocast); 16-bit mixed with fp32 "
+                             "master weights; or pure bf16 (default: bf16-mixed)")
     memory.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd-momentum", "sgd"),
                         help="default: adamw")
     memory.add_argument("--gpu-mem", metavar="SIZE",
                         help="memory per GPU, e.g. 80GiB (default: the visible GPU, else 80GiB)")
     memory.add_argument("--host-mem", metavar="SIZE",
                         help="memory per host, e.g. 512GiB (default: this machine's RAM)")
+    memory.add_argument("--margin", type=float, default=None,
+                        help="fraction added to each counted GPU peak for what no count sees "
+                             "(allocator rounding, fragmentation; default: 0.10)")
+    memory.add_argument("--reserve", metavar="SIZE",
+                        help="bytes per GPU no count sees (CUDA context, NCCL; default: 1GiB)")
     p.add_argument("--full", action="store_true",
                    help="one table row per unit (default: runs of identical blocks share a row)")
 
@@ -116,6 +122,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     try:
         gpu_mem = _size(args.gpu_mem, "--gpu-mem")
         host_mem = _size(args.host_mem, "--host-mem")
+        reserve = _size(args.reserve, "--reserve")
         options = read_options(args.kwargs, args.config)
         rules = {
             action: parse_rule(text)
@@ -142,13 +149,15 @@ def _run_plan(args: argparse.Namespace) -> int:
     if not args.memory:
         print(plan.to_json() if args.json else plan.table(collapse=not args.full))
         return 0
-    from annot.memory import estimate_memory
+    from annot.memory import MARGIN, RESERVE, estimate_memory
 
     try:
         report = estimate_memory(
             model, plan, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=args.seq,
             precision=args.precision, optimizer=args.optimizer,
             gpu_mem=gpu_mem, host_mem=host_mem,
+            margin=MARGIN if args.margin is None else args.margin,
+            reserve=RESERVE if reserve is None else reserve,
         )
     except AnnotError as exc:
         print(f"annot plan: error: {exc}", file=sys.stderr)
