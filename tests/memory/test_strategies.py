@@ -67,9 +67,11 @@ def test_every_strategy_call_passes_the_engines_own_checks(chosen, precision):
         assert ("offload_optimizer" in zero) == (chosen.offload_optimizer is not None)
         assert ("offload_param" in zero) == chosen.offload_params
         assert ("bf16" in engine.config) == (precision in ("bf16-mixed", "bf16"))
+    elif chosen.engine == "ddp":
+        assert chosen.stage == 0 and not chosen.offload_params
     else:
-        assert bool(getattr(options, "offload", False)) == chosen.offload_params
-        assert getattr(options, "reshard_after_forward", True) == (chosen.stage == 3)
+        assert bool(options.offload) == chosen.offload_params
+        assert options.reshard_after_forward == (chosen.stage == 3)
 
 
 def test_every_preferred_key_is_a_strategy():
