@@ -238,7 +238,7 @@ def trace_step(
     # forwards on the copy's instances.
     model = copy.deepcopy(model)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    fakes: dict[int, torch.Tensor] = {}
+    fakes: dict[int, nn.Parameter] = {}
     with fake_mode:
         for module in model.modules():
             for name, t in list(module._parameters.items()):
@@ -247,9 +247,9 @@ def trace_step(
                         fakes[id(t)] = nn.Parameter(_fake_like(t, dtype, is_param=False),
                                                     requires_grad=t.requires_grad)
                     module._parameters[name] = fakes[id(t)]
-            for name, t in list(module._buffers.items()):
-                if t is not None:
-                    module._buffers[name] = _fake_like(t, dtype, is_param=False)
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    module._buffers[name] = _fake_like(buf, dtype, is_param=False)
     apply_checkpointing(model, paths)
     params = dict(model.named_parameters())
     grads: dict[int, int] = {}
@@ -269,7 +269,7 @@ def trace_step(
             unit_sizes[unit_of[id(p)]] += p.numel()
         else:
             root += p.numel()
-    state = {"phase": "forward", "unit": -1}
+    state: dict[str, Any] = {"phase": "forward", "unit": -1}
     segments: list[list[Any]] = [["forward", -1, 0, 0]]
 
     def at(phase: str, unit: int) -> None:
@@ -287,8 +287,8 @@ def trace_step(
 
     counter = LiveBytes(on_change)
     handles = []
-    for t in (*params.values(), *model.buffers()):
-        counter.exclude(t)
+    for kept in (*params.values(), *model.buffers()):
+        counter.exclude(kept)
     for p in params.values():
         if p.requires_grad:
             def hook(param: torch.Tensor) -> None:

@@ -94,8 +94,11 @@ class LiveBytes(TorchDispatchMode):
             if key in self._excluded:
                 continue
             if key not in self._refs:
-                self._refs[key] = weakref.ref(st, lambda _ref, key=key: self._freed(key))
+                self._refs[key] = weakref.ref(st, self._on_death(key))
             self._set(key, st.nbytes())
+
+    def _on_death(self, key: int) -> Callable[[Any], None]:
+        return lambda _ref: self._freed(key)
 
     def exclude(self, t: torch.Tensor) -> None:
         """Never count ``t``'s storages (kept alive by the caller: parameters accounted
@@ -134,7 +137,7 @@ class LiveBytes(TorchDispatchMode):
                 self._set(id(st), st.nbytes())
             return result
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         super().__enter__()
         return self
 

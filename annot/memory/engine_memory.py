@@ -134,24 +134,24 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
             # Flat parameters whole on every rank; the reduce bucket (twice with
             # overlap_comm).
             static["params"] = P * b["param"]
-            run = []
+            stretches: list[tuple[str, Parts]] = []
             allocated = bool(off)  # with offload: allocated with the host buffers (measured)
             for ph, u, top, end in segments:
                 if ph == "backward" and u >= 0 and not allocated:
                     # The first unit's gradients overflow the bucket as that unit ends.
-                    run += [(name(ph, u), {"activations": top}),
-                            (name(ph, u) + " end", {"activations": end, **grads})]
+                    stretches += [(name(ph, u), {"activations": top}),
+                                  (name(ph, u) + " end", {"activations": end, **grads})]
                     allocated = True
                 else:
-                    run.append((name(ph, u), {"activations": top, **(grads if allocated else {})}))
-            return _peak(static, run, step)
+                    stretches.append((name(ph, u), {"activations": top, **(grads if allocated else {})}))
+            return _peak(static, stretches, step)
         # ZeRO-3: the parameter partition (host with parameter offload), persistent
         # parameters whole; while a unit runs, it and the prefetch bucket are gathered.
         where = HOST if strategy.offload_params else ""
         static[f"{where}parameter partition"] = shard * b["param"]
         static["persistent parameters"] = facts.persistent * b["compute"]
         prefetch = int(zero["stage3_prefetch_bucket_size"])
-        run = []
+        run: list[tuple[str, Parts]] = []
         for ph, u, top, _ in segments:
             gathered = (unit(u) if u >= 0 else facts.root) + min(prefetch, facts.largest_unit)
             run.append((name(ph, u), {"activations": top, "gathered parameters": gathered * b["compute"],
@@ -168,7 +168,7 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     static = {f"{off}sharded parameters + optimizer": shard * (b["param"] + states)}
     reshard = strategy.stage == 3
     order = [u for ph, u, _, _ in segments if ph == "forward" and u >= 0]
-    run: list[tuple[str, Parts]] = []
+    run = []
     done_fwd: set[int] = set()
     done_bwd: set[int] = set()
     root = facts.root * b["compute"]

@@ -10,7 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from annot.memory.activations import ActivationEstimate, InputsFn, StepTrace, trace_activations, trace_step
+from annot.memory.activations import (
+    ActivationEstimate,
+    InputsFn,
+    StepTrace,
+    trace_activations,
+    trace_step,
+)
 from annot.memory.engine_memory import OPTIMIZERS, ModelFacts, RankMemory, model_facts, rank_memory
 from annot.memory.strategies import PRECISIONS, STRATEGIES, MemoryInputError, Strategy, strategy
 from annot.policies import Plan, Policy, Rule, make_plan
@@ -237,7 +243,7 @@ def _rows(model: nn.Module, plan: Plan, *, gpus: int, nodes: int, batch: int, se
         host = max(plain.host, ckpt.host) * gpus  # every rank of a node offloads to its host
         host_ok = nvme or host <= host_mem
 
-        def fits(m: RankMemory) -> bool:
+        def fits(m: RankMemory, host_ok: bool = host_ok) -> bool:
             return m.device * (1 + margin) + reserve <= gpu_mem and host_ok
 
         rows.append(StrategyRow(
