@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -73,6 +74,12 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     memory.add_argument("--margin", type=float, default=None,
                         help="fraction added to each counted GPU peak for what no count sees "
                              "(allocator rounding, fragmentation; default: 0.10)")
+    memory.add_argument("--fit", metavar="NAME",
+                        help="the largest value of the integer option NAME (n_layer, "
+                             "num_hidden_layers, ...) each strategy fits, and the largest --batch "
+                             "at the given model")
+    memory.add_argument("--fit-strategies", metavar="KEYS", default="ddp,zero3,zero3-offload",
+                        help="strategies for --fit, comma-separated (default: ddp,zero3,zero3-offload)")
     memory.add_argument("--reserve", metavar="SIZE",
                         help="bytes per GPU no count sees (CUDA context, NCCL; default: 1GiB)")
     p.add_argument("--full", action="store_true",
@@ -131,14 +138,17 @@ def _run_plan(args: argparse.Namespace) -> int:
             if text is not None
         }
         model = build_target(args.target, options, dtype=args.dtype)
-        if rules or args.group_tied:
-            base = Policy(shard=rules.get("shard"), checkpoint=rules.get("checkpoint"),
-                          offload=rules.get("offload")) if rules else default_policy(model)
-            policy = Policy(shard=base.shard, checkpoint=base.checkpoint, offload=base.offload,
-                            offload_to=args.offload_to, group_tied=args.group_tied)
-            plan = make_plan(model, policy)
-        else:
-            plan = make_plan(model)
+
+        def plan_of(model):
+            if rules or args.group_tied:
+                base = Policy(shard=rules.get("shard"), checkpoint=rules.get("checkpoint"),
+                              offload=rules.get("offload")) if rules else default_policy(model)
+                policy = Policy(shard=base.shard, checkpoint=base.checkpoint, offload=base.offload,
+                                offload_to=args.offload_to, group_tied=args.group_tied)
+                return make_plan(model, policy)
+            return make_plan(model)
+
+        plan = plan_of(model)
     except PlanError as exc:
         for line in str(exc).splitlines():
             print(f"annot plan: invalid plan: {line}", file=sys.stderr)
@@ -149,6 +159,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     if not args.memory:
         print(plan.to_json() if args.json else plan.table(collapse=not args.full))
         return 0
+    if args.fit:
+        return _run_fit(args, model, options, plan_of, gpu_mem, host_mem, reserve)
     from annot.memory import MARGIN, RESERVE, estimate_memory
 
     try:
@@ -173,6 +185,35 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(plan.table(collapse=not args.full))
         print()
         print(report.table())
+    return 0
+
+
+def _run_fit(args: argparse.Namespace, model, options, plan_of, gpu_mem, host_mem, reserve) -> int:
+    """``--memory --fit NAME``: the largest NAME per strategy, and the largest batch."""
+    from annot.cli.targets import build_target
+    from annot.memory import MARGIN, RESERVE
+    from annot.memory.fit import format_fit, largest_fit
+    from annot.policies import AnnotError
+
+    at = options.get(args.fit, getattr(getattr(model, "config", None), args.fit, None))
+    if not isinstance(at, int) or isinstance(at, bool):
+        print(f"annot plan: error: --fit {args.fit}: give it as an integer in --kwargs/--config "
+              f"(the value to start from), e.g. --kwargs '{{\"{args.fit}\": 32}}'", file=sys.stderr)
+        return 2
+    try:
+        answers = largest_fit(
+            lambda v: build_target(args.target, {**options, args.fit: v}, dtype=args.dtype), at,
+            keys=[k.strip() for k in args.fit_strategies.split(",") if k.strip()],
+            plan_of=plan_of, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=args.seq,
+            precision=args.precision, optimizer=args.optimizer,
+            gpu_mem=gpu_mem if gpu_mem is not None else 80 * 2**30,
+            host_mem=host_mem if host_mem is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            margin=MARGIN if args.margin is None else args.margin,
+            reserve=RESERVE if reserve is None else reserve)
+    except AnnotError as exc:
+        print(f"annot plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_fit(answers, args.fit))
     return 0
 
 

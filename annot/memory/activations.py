@@ -253,7 +253,7 @@ def trace_step(
     apply_checkpointing(model, paths)
     params = dict(model.named_parameters())
     grads: dict[int, int] = {}
-    peaks = {"act": 0, "all": 0}
+    peaks = {"act": 0, "all": 0, "grads": 0}  # grads: the running sum of ``grads``
     # Which shard unit runs: forward (pre-)hooks, and in backward the unit whose
     # parameter last got its gradient.
     shard_paths = [u.modules for u in plan.units if u.has(Action.SHARD)] if plan is not None else []
@@ -275,11 +275,11 @@ def trace_step(
     def at(phase: str, unit: int) -> None:
         state["phase"], state["unit"] = phase, unit
         if segments[-1][:2] != [phase, unit]:
-            act = counter.current - sum(grads.values())
+            act = counter.current - peaks["grads"]
             segments.append([phase, unit, act, act])
 
     def on_change(current: int) -> None:
-        act = current - sum(grads.values())
+        act = current - peaks["grads"]
         peaks["all"] = max(peaks["all"], current)
         peaks["act"] = max(peaks["act"], act)
         segments[-1][2] = max(segments[-1][2], act)
@@ -293,7 +293,9 @@ def trace_step(
         if p.requires_grad:
             def hook(param: torch.Tensor) -> None:
                 assert param.grad is not None
-                grads[id(param)] = counter.bytes_of(param.grad)
+                nbytes = counter.bytes_of(param.grad)
+                peaks["grads"] += nbytes - grads.get(id(param), 0)
+                grads[id(param)] = nbytes
                 at("backward", unit_of.get(id(param), -1))
             handles.append(p.register_post_accumulate_grad_hook(hook))
     for index, modules in enumerate(shard_paths):
@@ -324,7 +326,7 @@ def trace_step(
         for module, training in modes.items():
             module.training = training
     return StepTrace(batch=batch, seq=seq, checkpoint=bool(paths), peak=peaks["act"],
-                     peak_with_grads=peaks["all"], grads=sum(grads.values()),
+                     peak_with_grads=peaks["all"], grads=peaks["grads"],
                      segments=tuple((ph, u, top, end) for ph, u, top, end in segments),
                      units=tuple(unit_sizes), root=root)
 

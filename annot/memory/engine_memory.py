@@ -172,6 +172,7 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     done_fwd: set[int] = set()
     done_bwd: set[int] = set()
     root = facts.root * b["compute"]
+    root_grads = False
     for ph, u, top, end in segments:
         if ph == "forward":
             if u >= 0:
@@ -183,10 +184,16 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
             done_bwd.add(u)
         nxt = _next_unit(order, done_bwd)
         kept = (sum(unit(i) for i in done_fwd - done_bwd) + unit(u)) if not reshard else unit(u) + unit(nxt)
+        # The root's gradients exist once backward has passed the head (the first
+        # backward stretch's end); they are reduced last.
         held = {"gathered parameters": root + kept * b["compute"],
-                "root gradients": facts.root * b["grad"],
-                f"{off}sharded gradients": shard * b["reduce"] * (len(done_bwd) - 1) // max(1, len(units))}
+                "root gradients": facts.root * b["grad"] if root_grads else 0,
+                f"{off}sharded gradients": shard * b["reduce"] * max(0, len(done_bwd) - 1) // max(1, len(units))}
         run.append((name(ph, u), {"activations": top, **held}))
+        root_grads = True
+        held["root gradients"] = facts.root * b["grad"]
+        if reshard:  # both reshard the unit's parameters before reducing its gradients
+            held["gathered parameters"] = root + unit(nxt) * b["compute"]
         # FSDP1 reduce-scatters the unit's flat gradient itself; FSDP2 copies the
         # gradients into a reduce-scatter input of its own (both measured).
         reduce = unit(u) * (b["grad"] + (b["reduce"] if strategy.engine == "fsdp2" else 0))
