@@ -13,6 +13,7 @@ the line.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -101,13 +102,24 @@ def largest_fit(
 
     answers = []
     for s in chosen:
-        value = _search(lambda v, s=s: evaluate(s, v, batch), start=max(1, at // 2))
-        micro = _search(lambda b, s=s: evaluate(s, at, b), start=1)
+        value = _search(functools.partial(_at_batch, evaluate, s, batch), start=max(1, at // 2))
+        micro = _search(functools.partial(_at_value, evaluate, s, at), start=1)
         fits_at = evaluate(s, value, batch) if value is not None else None
         answers.append(FitAnswer(
             key=s.key, label=s.label, value=value, params=fits_at[2] if fits_at else None,
             gpu=fits_at[1] if fits_at else None, at=at, batch=micro))
     return answers
+
+
+Probe = tuple[bool, int, int, float]
+
+
+def _at_batch(evaluate: Callable[[Strategy, int, int], Probe], s: Strategy, micro: int, value: int) -> Probe:
+    return evaluate(s, value, micro)
+
+
+def _at_value(evaluate: Callable[[Strategy, int, int], Probe], s: Strategy, value: int, micro: int) -> Probe:
+    return evaluate(s, value, micro)
 
 
 def _search(probe: Callable[[int], tuple[bool, int, int, float]], start: int) -> int | None:
