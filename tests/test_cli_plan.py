@@ -166,11 +166,12 @@ def test_a_config_dataclass_constructor_is_filled_from_kwargs(capsys, tmp_path):
 
 def test_plan_memory_table_and_recommendation(capsys):
     code, out, _ = run(capsys, "plan", GPT, "--memory", "--gpus", "2", "--batch", "4", "--seq", "32",
-                       "--precision", "fp32", "--gpu-mem", "1GiB", "--host-mem", "8GiB")
+                       "--precision", "fp32", "--gpu-mem", "2GiB", "--host-mem", "8GiB")
     assert code == 0
     assert "activations saved for backward:" in out
-    assert "FSDP2 full shard" in out and "ZeRO-3 + params, optimizer on NVMe" in out
+    assert "FSDP2, no reshard" in out and "ZeRO-3 + params, optimizer on NVMe" in out
     assert "recommendation: DDP without checkpointing" in out
+    assert 'annot.auto_wrap(model, "ddp", checkpoint=False)' in out
 
 
 def test_plan_memory_json(capsys):
@@ -181,7 +182,7 @@ def test_plan_memory_json(capsys):
     assert set(data) == {"plan", "memory"}
     memory = data["memory"]
     assert memory["activations"]["saved"] > memory["activations"]["saved_checkpointed"] > 0
-    assert {r["key"] for r in memory["rows"]} >= {"ddp", "zero2", "zero3", "fsdp2", "fsdp2-offload-cpu"}
+    assert {r["key"] for r in memory["rows"]} >= {"ddp", "zero2", "zero3", "fsdp2", "fsdp2-offload", "zero3-offload-opt"}
     assert memory["recommendation"] is None and memory["reason"].startswith("nothing fits")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -61,14 +62,26 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     memory.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (default: 1)")
     memory.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
     memory.add_argument("--precision", default="bf16-mixed",
-                        choices=("fp32", "bf16-mixed", "fp16-mixed", "bf16"),
-                        help="fp32, 16-bit mixed with fp32 master weights, or pure bf16 (default: bf16-mixed)")
+                        choices=("fp32", "amp", "bf16-mixed", "fp16-mixed", "bf16"),
+                        help="fp32; amp (fp32 states, torch.autocast); 16-bit mixed with fp32 "
+                             "master weights; or pure bf16 (default: bf16-mixed)")
     memory.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd-momentum", "sgd"),
                         help="default: adamw")
     memory.add_argument("--gpu-mem", metavar="SIZE",
                         help="memory per GPU, e.g. 80GiB (default: the visible GPU, else 80GiB)")
     memory.add_argument("--host-mem", metavar="SIZE",
                         help="memory per host, e.g. 512GiB (default: this machine's RAM)")
+    memory.add_argument("--margin", type=float, default=None,
+                        help="fraction added to each counted GPU peak for what no count sees "
+                             "(allocator rounding, fragmentation; default: 0.10)")
+    memory.add_argument("--fit", metavar="NAME",
+                        help="the largest value of the integer option NAME (n_layer, "
+                             "num_hidden_layers, ...) each strategy fits, and the largest --batch "
+                             "at the given model")
+    memory.add_argument("--fit-strategies", metavar="KEYS", default="ddp,zero3,zero3-offload",
+                        help="strategies for --fit, comma-separated (default: ddp,zero3,zero3-offload)")
+    memory.add_argument("--reserve", metavar="SIZE",
+                        help="bytes per GPU no count sees (CUDA context, NCCL; default: 1GiB)")
     p.add_argument("--full", action="store_true",
                    help="one table row per unit (default: runs of identical blocks share a row)")
 
@@ -119,6 +132,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{option} must be at least 1, got {getattr(args, option)}")
         gpu_mem = _size(args.gpu_mem, "--gpu-mem")
         host_mem = _size(args.host_mem, "--host-mem")
+        reserve = _size(args.reserve, "--reserve")
         options = read_options(args.kwargs, args.config)
         rules = {
             action: parse_rule(text)
@@ -127,14 +141,17 @@ def _run_plan(args: argparse.Namespace) -> int:
             if text is not None
         }
         model = build_target(args.target, options, dtype=args.dtype)
-        if rules or args.group_tied:
-            base = Policy(shard=rules.get("shard"), checkpoint=rules.get("checkpoint"),
-                          offload=rules.get("offload")) if rules else default_policy(model)
-            policy = Policy(shard=base.shard, checkpoint=base.checkpoint, offload=base.offload,
-                            offload_to=args.offload_to, group_tied=args.group_tied)
-            plan = make_plan(model, policy)
-        else:
-            plan = make_plan(model)
+
+        def plan_of(model):
+            if rules or args.group_tied:
+                base = Policy(shard=rules.get("shard"), checkpoint=rules.get("checkpoint"),
+                              offload=rules.get("offload")) if rules else default_policy(model)
+                policy = Policy(shard=base.shard, checkpoint=base.checkpoint, offload=base.offload,
+                                offload_to=args.offload_to, group_tied=args.group_tied)
+                return make_plan(model, policy)
+            return make_plan(model)
+
+        plan = plan_of(model)
     except PlanError as exc:
         for line in str(exc).splitlines():
             print(f"annot plan: invalid plan: {line}", file=sys.stderr)
@@ -145,13 +162,17 @@ def _run_plan(args: argparse.Namespace) -> int:
     if not args.memory:
         print(plan.to_json() if args.json else plan.table(collapse=not args.full))
         return 0
-    from annot.memory import estimate_memory
+    if args.fit:
+        return _run_fit(args, model, options, plan_of, gpu_mem, host_mem, reserve)
+    from annot.memory import MARGIN, RESERVE, estimate_memory
 
     try:
         report = estimate_memory(
             model, plan, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=args.seq,
             precision=args.precision, optimizer=args.optimizer,
             gpu_mem=gpu_mem, host_mem=host_mem,
+            margin=MARGIN if args.margin is None else args.margin,
+            reserve=RESERVE if reserve is None else reserve,
         )
     except AnnotError as exc:
         print(f"annot plan: error: {exc}", file=sys.stderr)
@@ -167,6 +188,35 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(plan.table(collapse=not args.full))
         print()
         print(report.table())
+    return 0
+
+
+def _run_fit(args: argparse.Namespace, model, options, plan_of, gpu_mem, host_mem, reserve) -> int:
+    """``--memory --fit NAME``: the largest NAME per strategy, and the largest batch."""
+    from annot.cli.targets import build_target
+    from annot.memory import MARGIN, RESERVE
+    from annot.memory.fit import format_fit, largest_fit
+    from annot.policies import AnnotError
+
+    at = options.get(args.fit, getattr(getattr(model, "config", None), args.fit, None))
+    if not isinstance(at, int) or isinstance(at, bool):
+        print(f"annot plan: error: --fit {args.fit}: give it as an integer in --kwargs/--config "
+              f"(the value to start from), e.g. --kwargs '{{\"{args.fit}\": 32}}'", file=sys.stderr)
+        return 2
+    try:
+        answers = largest_fit(
+            lambda v: build_target(args.target, {**options, args.fit: v}, dtype=args.dtype), at,
+            keys=[k.strip() for k in args.fit_strategies.split(",") if k.strip()],
+            plan_of=plan_of, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=args.seq,
+            precision=args.precision, optimizer=args.optimizer,
+            gpu_mem=gpu_mem if gpu_mem is not None else 80 * 2**30,
+            host_mem=host_mem if host_mem is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            margin=MARGIN if args.margin is None else args.margin,
+            reserve=RESERVE if reserve is None else reserve)
+    except AnnotError as exc:
+        print(f"annot plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_fit(answers, args.fit))
     return 0
 
 

@@ -38,9 +38,13 @@ class DDPOptions:
             until backward: ``None`` the units the Plan marks offload (DDP has no
             parameter offload, so that is what the mark means here), ``True`` every
             unit, ``False`` none.
+        gradient_as_bucket_view: gradients are views into DDP's communication buckets
+            (torch's memory saving: one gradient copy instead of two, 4 bytes per fp32
+            parameter less; default ``True``). ``False`` keeps torch's default.
     """
 
     offload_activations: bool | None = None
+    gradient_as_bucket_view: bool = True
 
 
 class DDP(Engine[DDPOptions]):
@@ -69,12 +73,16 @@ class DDP(Engine[DDPOptions]):
                                            options.offload_activations)
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: DDPOptions) -> nn.Module:
-        return apply_ddp(model, device=request.device)
+        return apply_ddp(model, device=request.device,
+                         gradient_as_bucket_view=options.gradient_as_bucket_view)
 
 
-def apply_ddp(model: nn.Module, *, device: torch.device) -> DistributedDataParallel:
+def apply_ddp(model: nn.Module, *, device: torch.device,
+              gradient_as_bucket_view: bool = True) -> DistributedDataParallel:
     """Move ``model`` to ``device`` and wrap it in DDP; its ``.module`` is ``model`` with
-    unchanged names."""
+    unchanged names. With ``gradient_as_bucket_view`` the gradients live in DDP's buckets
+    (no second copy; annot.memory counts it so)."""
     model.to(device)
     device_ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(model, device_ids=device_ids,
+                                   gradient_as_bucket_view=gradient_as_bucket_view)

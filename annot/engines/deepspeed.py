@@ -126,7 +126,11 @@ class DeepSpeedOptions:
     Args:
         stage: the ZeRO stage, 1-3 (3 partitions parameters; default 3).
         offload: ``None`` as the Plan marks, ``"none"``/``False``, ``"cpu"``/``True`` or
-            ``"nvme"`` (needs ``nvme_path``); stage 3 offloads parameters too.
+            ``"nvme"`` (needs ``nvme_path``); stage 3 offloads parameters too unless
+            ``offload_params=False``.
+        offload_params: with stage 3 and ``offload``, whether parameters go with the
+            optimizer state (``None``/``True``) or stay on the GPU (``False``: ZeRO-3 with
+            only the optimizer offloaded).
         nvme_path: a directory on a fast local disk, for ``offload="nvme"``.
         mixed_precision: ``None``, ``"bf16"`` or ``"fp16"`` (or the dtype).
         config: a whole DeepSpeed config to use instead of the one
@@ -137,6 +141,7 @@ class DeepSpeedOptions:
 
     stage: int | None = None
     offload: bool | str | None = None
+    offload_params: bool | None = None
     nvme_path: str | None = None
     mixed_precision: torch.dtype | str | None = None
     config: dict[str, Any] | None = None
@@ -150,7 +155,8 @@ class DeepSpeedOptions:
                 f"engine 'deepspeed' takes mixed_precision 'bf16', 'fp16' or None, not {dtype!r}")
         object.__setattr__(self, "mixed_precision", dtype)
         if self.config is not None and (self.offload is not None or dtype is not None
-                                        or self.stage is not None or self.nvme_path):
+                                        or self.stage is not None or self.nvme_path
+                                        or self.offload_params is not None):
             raise ValueError(
                 "engine 'deepspeed' with config=: set stage, offload and precision in the config "
                 "(annot.deepspeed_config(..., stage=..., offload=..., precision=...)), not here")
@@ -183,6 +189,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
             plan, stage=3 if options.stage is None else options.stage,
             # casts: __post_init__ made offload a str (or None), mixed_precision a dtype (or None)
             offload=cast("str | None", options.offload),
+            offload_params=options.offload_params,
             nvme_path=options.nvme_path,
             precision=_DEEPSPEED_PRECISION[cast("torch.dtype | None", options.mixed_precision)])
         stage = self.stage

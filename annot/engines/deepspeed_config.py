@@ -17,9 +17,48 @@ from annot.errors import EngineNotAvailableError
 from annot.planning import resolve_plan
 from annot.policies import Action, Plan
 
-__all__ = ["deepspeed_config"]
+__all__ = ["deepspeed_config", "zero_buffer_sizes"]
 
 _PRECISIONS = {None: None, "fp32": None, "bf16": "bf16", "fp16": "fp16"}
+# Caps on the buffer sizes below, in elements: Lightning's reduce/all-gather bucket
+# (2e8) and DeepSpeed's own defaults for the ZeRO-3 settings.
+_BUCKET_CAP = 200_000_000
+_PREFETCH_CAP = 50_000_000
+_MAX_LIVE_CAP = 1_000_000_000
+_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default: parameters this small stay whole
+
+
+def zero_buffer_sizes(plan: Plan, stage: int) -> dict[str, Any]:
+    """The ``zero_optimization`` buffer settings annot writes, sized from the Plan's
+    largest unit U (docs/design.md, pitfall 16).
+
+    DeepSpeed's defaults are fixed element counts sized for tens-of-GiB GPUs: a 5e8-element
+    reduce bucket (allocated whole with ``contiguous_gradients``: 1.9 GiB in fp32 however
+    small the model) and ``stage3_max_live_parameters``/``stage3_max_reuse_distance`` of
+    1e9, which keep every parameter of a model under ~5e8 gathered from forward to
+    backward. Here: reduce and all-gather buckets of U (capped at Lightning's 2e8), ZeRO-3
+    prefetch of one unit (capped at DeepSpeed's 5e7), at most two units live (the one
+    running and the one prefetched, as FSDP2 does; capped at 1e9), a reuse distance of one
+    unit, and DeepSpeed's persistence threshold (parameters of at most 1e5 elements,
+    biases and norms, stay whole on every rank). ``overlap_comm`` is DeepSpeed's own
+    default, written out: on for stage 3 only (it doubles stage 2's reduce buffer).
+    """
+    unit = max([u.params for u in plan.units] + [plan.root.params, 1])
+    bucket = min(_BUCKET_CAP, unit)
+    sizes: dict[str, Any] = {
+        "contiguous_gradients": True,
+        "overlap_comm": stage == 3,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+    }
+    if stage == 3:
+        sizes.update({
+            "stage3_prefetch_bucket_size": min(_PREFETCH_CAP, unit),
+            "stage3_max_live_parameters": min(_MAX_LIVE_CAP, 2 * unit),
+            "stage3_max_reuse_distance": min(_MAX_LIVE_CAP, unit),
+            "stage3_param_persistence_threshold": _PERSISTENCE_THRESHOLD,
+        })
+    return sizes
 
 
 def deepspeed_config(
@@ -27,6 +66,7 @@ def deepspeed_config(
     *,
     stage: int = 2,
     offload: str | None = None,
+    offload_params: bool | None = None,
     nvme_path: str | None = None,
     precision: str | None = None,
     micro_batch_size: int = 1,
@@ -41,7 +81,8 @@ def deepspeed_config(
     ``stage``: ZeRO stage 0-3. ``offload``: ``None`` (CPU if any Plan unit is marked
     offload, NVMe if one is marked ``"nvme"``), ``"none"``, ``"cpu"`` or ``"nvme"``
     (needs ``nvme_path``); stages 1-2 offload the optimizer state, stage 3 also the
-    parameters. With offload, a plain torch optimizer is allowed
+    parameters unless ``offload_params=False`` (ZeRO-3 with the optimizer alone
+    offloaded). Buffer sizes are written out (`zero_buffer_sizes`). With offload, a plain torch optimizer is allowed
     (``zero_force_ds_cpu_optimizer: false``). ``precision``: ``None``/``"fp32"``,
     ``"bf16"`` or ``"fp16"`` (dynamic loss scaling). ``gradient_clipping`` defaults to 0
     (off), unlike DeepSpeed. The ``activation_checkpointing`` section counts the Plan's
@@ -81,7 +122,9 @@ def deepspeed_config(
             "GPUs, or pass cpu_checkpointing=False (or stage=2) on CPU"
         )
 
-    zero: dict[str, Any] = {"stage": stage}
+    if offload_params and (stage != 3 or target is None):
+        raise ValueError("offload_params=True needs stage=3 and offload='cpu' or 'nvme'")
+    zero: dict[str, Any] = {"stage": stage, **zero_buffer_sizes(plan, stage)}
     if target is not None:
         if stage == 0:
             raise ValueError("offload needs ZeRO stage 1 or more (stage 3 to offload parameters)")
@@ -89,7 +132,7 @@ def deepspeed_config(
         if target == "nvme":
             device["nvme_path"] = nvme_path
         zero["offload_optimizer"] = dict(device)
-        if stage == 3:
+        if stage == 3 and offload_params is not False:
             zero["offload_param"] = dict(device)
 
     config: dict[str, Any] = {

@@ -180,3 +180,168 @@ def _fake_like(t: torch.Tensor, dtype: torch.dtype | None, *, is_param: bool) ->
     if is_param and t.requires_grad and fake.is_floating_point():
         fake.requires_grad_(True)
     return fake
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTrace:
+    """Live bytes of one traced forward and backward of the bare model (its parameters
+    not counted), at the peak: ``peak`` without the parameters' gradients (an engine that
+    moves each gradient away as it is produced: DDP's bucket views, ZeRO's reduce
+    buckets, FSDP's reduce-scatter) and ``peak_with_grads`` with them (an engine that
+    keeps every gradient until the optimizer step). ``grads``: all gradients' bytes."""
+
+    batch: int
+    seq: int
+    checkpoint: bool
+    peak: int
+    peak_with_grads: int
+    grads: int
+    #: In order: (phase, unit, the most live bytes without parameter gradients, those
+    #: bytes when the stretch ends) for each stretch where one shard unit runs (index
+    #: into ``units``; -1: outside every unit) in ``"forward"`` (recomputation included)
+    #: or ``"backward"``; what an engine gathers depends on the unit and phase
+    #: (`annot.memory.engine_memory`).
+    segments: tuple[tuple[str, int, int, int], ...] = ()
+    #: Parameters of each shard unit, in Plan order; ``root``: those in no unit.
+    units: tuple[int, ...] = ()
+    root: int = 0
+
+
+def trace_step(
+    model: nn.Module,
+    plan: Plan | None,
+    *,
+    batch: int,
+    seq: int,
+    checkpoint: bool,
+    dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
+    inputs: InputsFn | None = None,
+) -> StepTrace:
+    """Trace forward, loss and backward of ``model`` under ``FakeTensorMode`` and count live
+    bytes with `annot.memory.counting.LiveBytes`: activations, the transients of
+    backward (gradients of activations, the loss's), and the parameters' gradients as
+    autograd produces them. ``checkpoint`` runs the Plan's checkpointed units under
+    torch's non-reentrant checkpoint, as `auto_wrap` does; ``dtype`` casts floating
+    parameters (a 16-bit compute copy), ``autocast`` traces under ``torch.autocast``.
+    Only the loss is kept from the output (what a training step holds in backward)."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from annot.memory.counting import LiveBytes
+    from annot.runtime.activation_checkpoint import apply_checkpointing
+
+    paths = plan.paths(Action.CHECKPOINT) if plan is not None and checkpoint else []
+    # A copy holding fake parameters itself (not through functional_call, whose swap is
+    # undone before backward recomputes a checkpointed unit); checkpointing swaps
+    # forwards on the copy's instances.
+    model = copy.deepcopy(model)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fakes: dict[int, nn.Parameter] = {}
+    with fake_mode:
+        for module in model.modules():
+            for name, t in list(module._parameters.items()):
+                if t is not None:
+                    if id(t) not in fakes:  # tied parameters stay one
+                        fakes[id(t)] = nn.Parameter(_fake_like(t, dtype, is_param=False),
+                                                    requires_grad=t.requires_grad)
+                    module._parameters[name] = fakes[id(t)]
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    module._buffers[name] = _fake_like(buf, dtype, is_param=False)
+    apply_checkpointing(model, paths)
+    params = dict(model.named_parameters())
+    grads: dict[int, int] = {}
+    peaks = {"act": 0, "all": 0, "grads": 0}  # grads: the running sum of ``grads``
+    # Which shard unit runs: forward (pre-)hooks, and in backward the unit whose
+    # parameter last got its gradient.
+    shard_paths = [u.modules for u in plan.units if u.has(Action.SHARD)] if plan is not None else []
+    unit_of: dict[int, int] = {}
+    for index, modules in enumerate(shard_paths):
+        for path in modules:
+            for p in model.get_submodule(path).parameters():
+                unit_of.setdefault(id(p), index)
+    unit_sizes = [0] * len(shard_paths)
+    root = 0
+    for p in params.values():
+        if id(p) in unit_of:
+            unit_sizes[unit_of[id(p)]] += p.numel()
+        else:
+            root += p.numel()
+    state: dict[str, Any] = {"phase": "forward", "unit": -1}
+    segments: list[list[Any]] = [["forward", -1, 0, 0]]
+
+    def at(phase: str, unit: int) -> None:
+        state["phase"], state["unit"] = phase, unit
+        if segments[-1][:2] != [phase, unit]:
+            act = counter.current - peaks["grads"]
+            segments.append([phase, unit, act, act])
+
+    def on_change(current: int) -> None:
+        act = current - peaks["grads"]
+        peaks["all"] = max(peaks["all"], current)
+        peaks["act"] = max(peaks["act"], act)
+        segments[-1][2] = max(segments[-1][2], act)
+        segments[-1][3] = act
+
+    counter = LiveBytes(on_change)
+    handles = []
+    for kept in (*params.values(), *model.buffers()):
+        counter.exclude(kept)
+    for p in params.values():
+        if p.requires_grad:
+            def hook(param: torch.Tensor) -> None:
+                assert param.grad is not None
+                nbytes = counter.bytes_of(param.grad)
+                peaks["grads"] += nbytes - grads.get(id(param), 0)
+                grads[id(param)] = nbytes
+                at("backward", unit_of.get(id(param), -1))
+            handles.append(p.register_post_accumulate_grad_hook(hook))
+    for index, modules in enumerate(shard_paths):
+        for path in modules:
+            def pre(module: nn.Module, args: Any, index: int = index) -> None:
+                at(state["phase"], index)
+
+            def post(module: nn.Module, args: Any, output: Any) -> None:
+                if state["phase"] == "forward":
+                    at("forward", -1)
+            handles.append(model.get_submodule(path).register_forward_pre_hook(pre))
+            handles.append(model.get_submodule(path).register_forward_hook(post))
+    modes = {m: m.training for m in model.modules()}
+    model.train()
+    try:
+        with fake_mode, counter:
+            args, kwargs = (inputs or default_inputs)(model, batch, seq)
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                out = model(*args, **kwargs)
+                loss = _loss_of(out)
+            del out
+            at("backward", -1)
+            loss.backward()
+            del loss
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, training in modes.items():
+            module.training = training
+    return StepTrace(batch=batch, seq=seq, checkpoint=bool(paths), peak=peaks["act"],
+                     peak_with_grads=peaks["all"], grads=peaks["grads"],
+                     segments=tuple((ph, u, top, end) for ph, u, top, end in segments),
+                     units=tuple(unit_sizes), root=root)
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    """The loss in a model's output (a 0-d tensor: a tuple's or ``.loss``), else the sum
+    of the first floating output."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    leaves = [t for t in tree_leaves(out if not hasattr(out, "to_tuple") else out.to_tuple())
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    scalars = [t for t in leaves if t.dim() == 0]
+    if scalars:
+        return scalars[0]
+    if not leaves:
+        raise ValueError("the model's output holds no floating tensor to take a loss of")
+    return leaves[0].float().sum()

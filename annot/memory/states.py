@@ -1,4 +1,5 @@
-"""Model-state memory (parameters, gradients, optimizer states) per GPU and per host.
+"""DeepSpeed's published model-state estimators, generalised; a reference, not the
+planner (the planner models each engine as it runs: `annot.memory.engine_memory`).
 
 The accounting follows DeepSpeed's published estimators
 (``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``
@@ -25,28 +26,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from annot.policies.errors import AnnotError
+from annot.memory.strategies import MemoryInputError
 
 __all__ = [
     "BytesPerParam",
     "MemoryInputError",
-    "OPTIMIZERS",
-    "PRECISIONS",
+    "ESTIMATOR_CASES",
+    "StateCase",
     "StateMemory",
-    "Strategy",
-    "STRATEGIES",
     "model_states",
 ]
 
-Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd-momentum", "sgd")
 # DeepSpeed's allowance for fragmentation and temporary buffers on the host.
 HOST_BUFFER_FACTOR = 1.5
-
-
-class MemoryInputError(AnnotError, ValueError):
-    """An unknown precision, optimizer or an impossible hardware setup."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +83,8 @@ class BytesPerParam:
 
 
 @dataclasses.dataclass(frozen=True)
-class Strategy:
-    """A sharding strategy: ZeRO stage (0 = DDP) and what is offloaded where.
+class StateCase:
+    """One case of DeepSpeed's estimators: ZeRO stage (0 = DDP), what is offloaded where.
 
     ``gather`` says how the ZeRO-3 gathered working set is sized: ``"module"`` (DeepSpeed
     fetches module by module: the largest module's own parameters) or ``"unit"``
@@ -105,20 +99,20 @@ class Strategy:
     gather: Literal["module", "unit"] = "module"
 
 
-STRATEGIES: tuple[Strategy, ...] = (
-    Strategy("ddp", "DDP", 0),
-    Strategy("zero1", "ZeRO-1", 1),
-    Strategy("zero2", "ZeRO-2", 2),
-    Strategy("zero3", "ZeRO-3", 3),
-    Strategy("fsdp2", "FSDP2 full shard", 3, gather="unit"),
-    Strategy("zero2-offload-opt-cpu", "ZeRO-2 + optimizer on CPU", 2, offload_optimizer="cpu"),
-    Strategy("zero3-offload-opt-cpu", "ZeRO-3 + optimizer on CPU", 3, offload_optimizer="cpu"),
-    Strategy("zero3-offload-all-cpu", "ZeRO-3 + params, optimizer on CPU", 3,
+ESTIMATOR_CASES: tuple[StateCase, ...] = (
+    StateCase("ddp", "DDP", 0),
+    StateCase("zero1", "ZeRO-1", 1),
+    StateCase("zero2", "ZeRO-2", 2),
+    StateCase("zero3", "ZeRO-3", 3),
+    StateCase("fsdp2", "FSDP2 full shard", 3, gather="unit"),
+    StateCase("zero2-offload-opt-cpu", "ZeRO-2 + optimizer on CPU", 2, offload_optimizer="cpu"),
+    StateCase("zero3-offload-opt-cpu", "ZeRO-3 + optimizer on CPU", 3, offload_optimizer="cpu"),
+    StateCase("zero3-offload-all-cpu", "ZeRO-3 + params, optimizer on CPU", 3,
              offload_optimizer="cpu", offload_params="cpu"),
-    Strategy("fsdp2-offload-cpu", "FSDP2 + CPU offload", 3, offload_optimizer="cpu",
+    StateCase("fsdp2-offload-cpu", "FSDP2 + CPU offload", 3, offload_optimizer="cpu",
              offload_params="cpu", gather="unit"),
-    Strategy("zero3-offload-opt-nvme", "ZeRO-3 + optimizer on NVMe", 3, offload_optimizer="nvme"),
-    Strategy("zero3-offload-all-nvme", "ZeRO-3 + params, optimizer on NVMe", 3,
+    StateCase("zero3-offload-opt-nvme", "ZeRO-3 + optimizer on NVMe", 3, offload_optimizer="nvme"),
+    StateCase("zero3-offload-all-nvme", "ZeRO-3 + params, optimizer on NVMe", 3,
              offload_optimizer="nvme", offload_params="nvme"),
 )
 
@@ -133,7 +127,7 @@ class StateMemory:
 
 
 def model_states(
-    strategy: Strategy,
+    strategy: StateCase,
     bpp: BytesPerParam,
     *,
     total_params: int,

@@ -19,7 +19,14 @@ def test_defaults_train_like_plain_pytorch(model):
     config = annot.deepspeed_config(model)
     assert config["gradient_clipping"] == 0.0  # DeepSpeed 0.19 would clip at 1.0
     assert config["zero_allow_untested_optimizer"] is True
-    assert config["zero_optimization"] == {"stage": 2}
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 2
+    # Buffers sized from the Plan's largest unit, not DeepSpeed's fixed 5e8 elements.
+    plan = annot.plan(model)
+    unit = max(u.params for u in plan.units)
+    assert unit > plan.root.params  # here a block is the largest unit
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == unit
+    assert zero["contiguous_gradients"] is True and zero["overlap_comm"] is False
     assert "bf16" not in config and "fp16" not in config
     assert config["activation_checkpointing"]["number_checkpoints"] == 4  # the Plan's blocks
 
@@ -33,7 +40,7 @@ def test_a_plan_works_as_well_as_a_model(model):
 def test_cpu_offload_by_stage(model, stage, sections):
     config = annot.deepspeed_config(model, stage=stage, offload="cpu")
     zero = config["zero_optimization"]
-    assert set(zero) - {"stage"} == sections
+    assert {k for k in zero if k.startswith("offload")} == sections
     assert all(zero[s]["device"] == "cpu" for s in sections)
     assert config["zero_force_ds_cpu_optimizer"] is False  # a torch optimizer may be offloaded
 
@@ -47,6 +54,23 @@ def test_offload_follows_the_plan_marks(model):
     assert zero["offload_param"] == {"device": "nvme", "pin_memory": torch.cuda.is_available(),
                                      "nvme_path": "/nvme"}
     assert "offload_optimizer" not in annot.deepspeed_config(model, offload="none")["zero_optimization"]
+
+
+def test_zero3_buffers_are_written_out_and_bounded(model):
+    zero = annot.deepspeed_config(model, stage=3)["zero_optimization"]
+    largest = max(u.params for u in annot.plan(model).units)
+    assert zero["stage3_prefetch_bucket_size"] == largest
+    assert zero["stage3_max_live_parameters"] == 2 * largest  # the running unit and the next
+    assert zero["stage3_max_reuse_distance"] == largest
+    assert zero["stage3_param_persistence_threshold"] == 100_000
+    assert zero["overlap_comm"] is True
+
+
+def test_zero3_can_offload_the_optimizer_alone(model):
+    zero = annot.deepspeed_config(model, stage=3, offload="cpu", offload_params=False)["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
+    with pytest.raises(ValueError, match="offload_params=True needs stage=3"):
+        annot.deepspeed_config(model, stage=2, offload="cpu", offload_params=True)
 
 
 @pytest.mark.parametrize(("precision", "section"), [("bf16", {"enabled": True}),

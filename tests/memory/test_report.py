@@ -34,16 +34,18 @@ def test_above_500m_parameters_ddp_is_not_recommended_even_if_it_fits():
 
 def test_tight_memory_moves_to_checkpointing_then_sharding_then_offload():
     model = _gpt(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, block_size=256)
-    base = annot.estimate_memory(model, gpus=4, batch=8, seq=256, gpu_mem=80 * GiB, host_mem=64 * GiB)
+    exact = dict(margin=0.0, reserve=0)  # compare counted peaks with the limit directly
+    base = annot.estimate_memory(model, gpus=4, batch=8, seq=256, gpu_mem=80 * GiB, host_mem=64 * GiB, **exact)
     # Too tight for DDP, ZeRO-1 and ZeRO-2 without checkpointing, roomy for DDP with it:
     # recomputation is cheaper than sharding further.
     limit = min(base.row(k).gpu for k in ("ddp", "zero1", "zero2")) - 1
     assert base.row("ddp").gpu_checkpointed < limit
-    squeezed = annot.estimate_memory(model, gpus=4, batch=8, seq=256, gpu_mem=limit, host_mem=64 * GiB)
+    squeezed = annot.estimate_memory(model, gpus=4, batch=8, seq=256, gpu_mem=limit, host_mem=64 * GiB, **exact)
     assert (squeezed.recommendation, squeezed.checkpoint) == ("ddp", True)
     # Below every GPU-resident strategy with checkpointing: offload.
     resident = min(r.gpu_checkpointed for r in base.rows if "offload" not in r.key)
-    tiny = annot.estimate_memory(model, gpus=4, batch=8, seq=256, gpu_mem=resident - 1, host_mem=64 * GiB)
+    tiny = annot.estimate_memory(model, gpus=4, batch=8, seq=256, gpu_mem=resident - 1, host_mem=64 * GiB,
+                                 **exact)
     assert "offload" in tiny.recommendation and tiny.checkpoint is True
 
 
@@ -55,7 +57,7 @@ def test_host_memory_limits_offload():
 
 
 def test_report_table_and_dict():
-    report = annot.estimate_memory(_gpt(n_layer=2), gpus=2, batch=1, seq=16, gpu_mem=GiB, host_mem=GiB)
+    report = annot.estimate_memory(_gpt(n_layer=2), gpus=2, batch=1, seq=16, gpu_mem=2 * GiB, host_mem=GiB)
     text = report.table()
     assert "recommendation:" in text and "<-" in text
     data = report.to_dict()
@@ -75,3 +77,29 @@ def test_a_wrapped_model_is_refused():
     wrapper.module = _gpt(n_layer=1)
     with pytest.raises(MemoryInputError, match="takes the bare model"):
         annot.estimate_memory(wrapper)
+
+
+def test_the_margin_and_reserve_decide_what_fits():
+    model = _gpt(n_layer=2)
+    counted = annot.estimate_memory(model, gpus=2, batch=1, seq=16, margin=0.0, reserve=0,
+                                    gpu_mem=GiB, host_mem=GiB).row("ddp").gpu
+    limit = int(counted * 1.1) + 1000
+    assert annot.estimate_memory(model, gpus=2, batch=1, seq=16, margin=0.1, reserve=0,
+                                 gpu_mem=limit, host_mem=GiB).row("ddp").fits
+    assert not annot.estimate_memory(model, gpus=2, batch=1, seq=16, margin=0.1, reserve=2000,
+                                     gpu_mem=limit, host_mem=GiB).row("ddp").fits
+
+
+def test_the_recommendation_prints_its_auto_wrap_call():
+    report = annot.estimate_memory(_gpt(n_layer=2), gpus=8, batch=2, seq=32, precision="bf16-mixed",
+                                   gpu_mem=80 * GiB, host_mem=512 * GiB)
+    assert 'annot.auto_wrap(model, "ddp", checkpoint=False) + torch.autocast' in report.table()
+
+
+def test_engine_buffers_are_in_the_zero_rows():
+    # A 1-unit reduce bucket is part of ZeRO-2's peak; DeepSpeed's own default (5e8
+    # elements) would dwarf this model.
+    report = annot.estimate_memory(_gpt(n_layer=2), gpus=2, batch=1, seq=16, precision="fp32",
+                                   gpu_mem=GiB, host_mem=GiB)
+    parts = report.row("zero2").detail.parts
+    assert 0 < parts["reduce bucket"] < 2**20

@@ -8,13 +8,14 @@ import re
 
 import pytest
 
-from annot.memory import STRATEGIES, BytesPerParam, MemoryInputError, model_states
+from annot.memory import MemoryInputError
+from annot.memory.states import ESTIMATOR_CASES, BytesPerParam, model_states
 
 ds_zero2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
 ds_zero3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
 
 MIXED_ADAM = BytesPerParam.of("fp16-mixed", "adam")
-BY_KEY = {s.key: s for s in STRATEGIES}
+BY_KEY = {s.key: s for s in ESTIMATOR_CASES}
 SETUPS = [  # total params, largest layer params, GPUs per node, nodes
     (125_000_000, 38_000_000, 1, 1),
     (1_300_000_000, 50_000_000, 8, 1),

@@ -1,0 +1,256 @@
+"""Per-rank memory of one strategy: model states as each engine stores them, the
+engine's own buffers (read from the config annot writes), the parameters it gathers
+while a unit runs, and the traced activations (docs/design.md, pitfall 16).
+
+Everything is in bytes per rank, ``device`` (the GPU) and ``host`` (offloaded states).
+The peak is the largest of the forward/backward stretches of the trace (activations
+there plus what the engine holds while that unit runs) and the optimizer step (states,
+gradients, the step's temporaries). How each engine was read (torch 2.13, DeepSpeed
+0.19) is stated at each term; tests/memory/test_counted.py checks the sums against
+counted 2-rank CPU runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from annot.memory.activations import StepTrace
+from annot.memory.strategies import MemoryInputError, Strategy
+
+__all__ = ["OPTIMIZERS", "ModelFacts", "RankMemory", "rank_memory"]
+
+#: Optimizer state tensors per parameter, and whether its step makes a temporary of
+#: the states' size (torch's foreach Adam/AdamW, the GPU default: ``sqrt(exp_avg_sq)``).
+OPTIMIZERS: dict[str, tuple[int, bool]] = {
+    "adamw": (2, True), "adam": (2, True), "sgd-momentum": (1, False), "sgd": (0, False),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the engines' memory depends on besides the trace: parameter counts (each
+    shared parameter once), the largest module's own parameters, and how many
+    parameters DeepSpeed ZeRO-3 keeps whole (at most its persistence threshold)."""
+
+    params: int
+    units: tuple[int, ...]
+    root: int
+    persistent: int
+    persistence_threshold: int
+
+    @property
+    def largest_unit(self) -> int:
+        return max((*self.units, self.root, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """One rank's device peak (``device``, in ``phase``), the host's (``host``), the
+    peak of both added (``combined``: what a CPU-only run counts), and the terms behind
+    the device peak (``parts``: name -> bytes; host terms start with ``"host: "``)."""
+
+    device: int
+    host: int
+    phase: str
+    parts: dict[str, int]
+    combined: int
+
+
+def _bytes(precision: str, engine: str, optimizer: str) -> dict[str, int]:
+    """Bytes per parameter: ``param`` as stored, ``compute`` as gathered/used, ``grad``
+    as produced, ``master`` fp32 copy, ``state`` per optimizer tensor, ``reduce``
+    reduce-scatter dtype (FSDP)."""
+    if optimizer not in OPTIMIZERS:
+        raise MemoryInputError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    sixteen = precision in ("bf16-mixed", "fp16-mixed")
+    if precision == "bf16" and engine != "deepspeed":
+        return dict(param=2, compute=2, grad=2, master=0, state=2, reduce=2)
+    if engine == "deepspeed":
+        # DeepSpeed keeps an fp32 partition for the optimizer in every mode (measured:
+        # also with fp32 parameters); 16-bit modes store 16-bit parameters and gradients.
+        b = 2 if sixteen or precision == "bf16" else 4
+        return dict(param=b, compute=b, grad=b, master=4, state=4, reduce=b)
+    if sixteen and engine in ("fsdp2", "fsdp1"):
+        # MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32): fp32 shards,
+        # 16-bit gathered parameters and unsharded gradients, fp32 reduce-scatter.
+        return dict(param=4, compute=2, grad=2, master=0, state=4, reduce=4)
+    return dict(param=4, compute=4, grad=4, master=0, state=4, reduce=4)  # fp32, amp, DDP
+
+
+Parts = dict[str, int]
+HOST = "host: "  # parts whose name starts so live in host memory
+
+
+def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, world: int,
+                precision: str, optimizer: str, ds_zero: dict[str, Any] | None = None,
+                ddp_bucket_view: bool = True) -> RankMemory:
+    """The per-rank memory of ``strategy`` on ``world`` ranks (see the module docstring).
+    ``ds_zero`` is the ``zero_optimization`` section DeepSpeed runs with (absent keys:
+    DeepSpeed's defaults)."""
+    b = _bytes(precision, strategy.engine, optimizer)
+    n_states, foreach_temp = OPTIMIZERS[optimizer]
+    P, n = facts.params, world
+    shard = -(-P // n)
+    states = n_states * b["state"]
+    temp = b["state"] if foreach_temp else 0
+    segments = trace.segments or (("forward", -1, trace.peak, trace.peak),)
+    units = facts.units
+
+    def unit(i: int) -> int:
+        return units[i] if 0 <= i < len(units) else 0
+
+    def name(ph: str, u: int) -> str:
+        return f"{ph} {'outside units' if u < 0 else f'unit {u}'}"
+
+    if strategy.engine == "ddp":
+        # Parameters, gradients living in DDP's buckets (views with
+        # gradient_as_bucket_view, else a second copy beside .grad), optimizer states.
+        static = {"params": P * b["param"], "grad buckets": P * b["grad"], "optimizer": P * states}
+        act = trace.peak if ddp_bucket_view else trace.peak_with_grads
+        step = {"optimizer step temporaries": P * temp}
+        return _peak(static, [("forward/backward", {"activations": act})], step)
+
+    if strategy.engine == "deepspeed":
+        zero = _ds_defaults(ds_zero or {})
+        stage = int(zero["stage"])
+        bucket = int(zero["reduce_bucket_size"]) * b["grad"] * (2 if zero["overlap_comm"] and stage < 3 else 1)
+        off = HOST if strategy.offload_optimizer is not None else ""
+        # The fp32 partition and the optimizer states of this rank's part (on the host
+        # with offload, beside an fp32 gradient partition there).
+        static = {f"{off}fp32 partition + optimizer": shard * (b["master"] + states),
+                  "reduce bucket": bucket}
+        if off:
+            static[f"{HOST}fp32 gradient partition"] = shard * 4
+        # The gradient partition is allocated at the first bucket reduce, once backward
+        # has produced a bucket's worth (one unit, as annot sizes the bucket; measured),
+        # so not while the activations peak at backward's start; stage 1 on DeepSpeed
+        # 0.19 partitions gradients as stage 2 does.
+        grads = {"gradient partition": shard * b["grad"]}
+        step = {**grads, "optimizer step temporaries": 0 if off else shard * temp}
+        if b["grad"] != 4 and not off:
+            step["fp32 gradient partition"] = shard * 4
+        if stage in (1, 2):
+            # Flat parameters whole on every rank; the reduce bucket (twice with
+            # overlap_comm).
+            static["params"] = P * b["param"]
+            stretches: list[tuple[str, Parts]] = []
+            allocated = bool(off)  # with offload: allocated with the host buffers (measured)
+            for ph, u, top, end in segments:
+                if ph == "backward" and u >= 0 and not allocated:
+                    # The first unit's gradients overflow the bucket as that unit ends.
+                    stretches += [(name(ph, u), {"activations": top}),
+                                  (name(ph, u) + " end", {"activations": end, **grads})]
+                    allocated = True
+                else:
+                    stretches.append((name(ph, u), {"activations": top, **(grads if allocated else {})}))
+            return _peak(static, stretches, step)
+        # ZeRO-3: the parameter partition (host with parameter offload), persistent
+        # parameters whole; while a unit runs, it and the prefetch bucket are gathered.
+        where = HOST if strategy.offload_params else ""
+        static[f"{where}parameter partition"] = shard * b["param"]
+        static["persistent parameters"] = facts.persistent * b["compute"]
+        prefetch = int(zero["stage3_prefetch_bucket_size"])
+        run: list[tuple[str, Parts]] = []
+        for ph, u, top, _ in segments:
+            gathered = (unit(u) if u >= 0 else facts.root) + min(prefetch, facts.largest_unit)
+            run.append((name(ph, u), {"activations": top, "gathered parameters": gathered * b["compute"],
+                                      **(grads if ph == "backward" else {})}))
+        return _peak(static, run, step)
+
+    # FSDP2 / FSDP1: sharded parameters, gradients and optimizer states (on the host with
+    # offload); the root's parameters stay gathered from forward to backward (neither
+    # reshards the root); while a unit runs its parameters are gathered, in backward the
+    # next unit is prefetched and, as the unit ends, its unsharded gradients and the
+    # reduce-scatter input exist. Without resharding a unit stays gathered from its
+    # forward to its backward.
+    off = HOST if strategy.offload_params else ""
+    static = {f"{off}sharded parameters + optimizer": shard * (b["param"] + states)}
+    reshard = strategy.stage == 3
+    order = [u for ph, u, _, _ in segments if ph == "forward" and u >= 0]
+    run = []
+    done_fwd: set[int] = set()
+    done_bwd: set[int] = set()
+    root = facts.root * b["compute"]
+    root_grads = False
+    for ph, u, top, end in segments:
+        if ph == "forward":
+            if u >= 0:
+                done_fwd.add(u)
+            kept = sum(unit(i) for i in done_fwd) if not reshard else unit(u)
+            run.append((name(ph, u), {"activations": top, "gathered parameters": root + kept * b["compute"]}))
+            continue
+        if u >= 0:
+            done_bwd.add(u)
+        nxt = _next_unit(order, done_bwd)
+        kept = (sum(unit(i) for i in done_fwd - done_bwd) + unit(u)) if not reshard else unit(u) + unit(nxt)
+        # The root's gradients exist once backward has passed the head (the first
+        # backward stretch's end); they are reduced last.
+        held = {"gathered parameters": root + kept * b["compute"],
+                "root gradients": facts.root * b["grad"] if root_grads else 0,
+                f"{off}sharded gradients": shard * b["reduce"] * max(0, len(done_bwd) - 1) // max(1, len(units))}
+        run.append((name(ph, u), {"activations": top, **held}))
+        root_grads = True
+        held["root gradients"] = facts.root * b["grad"]
+        if reshard:  # both reshard the unit's parameters before reducing its gradients
+            held["gathered parameters"] = root + unit(nxt) * b["compute"]
+        # FSDP1 reduce-scatters the unit's flat gradient itself; FSDP2 copies the
+        # gradients into a reduce-scatter input of its own (both measured).
+        reduce = unit(u) * (b["grad"] + (b["reduce"] if strategy.engine == "fsdp2" else 0))
+        run.append((name(ph, u) + " end", {"activations": end, **held,
+                                           "unsharded gradients + reduce-scatter input": reduce}))
+    step = {f"{off}sharded gradients": shard * b["reduce"],
+            "optimizer step temporaries": 0 if off else shard * temp}
+    return _peak(static, run, step)
+
+
+def _next_unit(order: list[int], done: set[int]) -> int:
+    """The unit backward runs next (forward order reversed), -1 when none is left."""
+    for u in reversed(order):
+        if u not in done:
+            return u
+    return -1
+
+
+def _peak(static: Parts, stretches: list[tuple[str, Parts]], step: Parts) -> RankMemory:
+    """The device peak over the stretches and the step; host: the most the host parts
+    ever sum to; ``combined``: the peak of both together (one memory, as on a CPU run)."""
+    candidates = [(phase, {**static, **parts}) for phase, parts in [*stretches, ("optimizer step", step)]]
+
+    def device(parts: Parts) -> int:
+        return sum(v for k, v in parts.items() if not k.startswith(HOST))
+
+    phase, parts = max(candidates, key=lambda c: device(c[1]))
+    return RankMemory(device=device(parts), host=max(sum(c[1].values()) - device(c[1]) for c in candidates),
+                      phase=phase, parts={k: v for k, v in parts.items() if v},
+                      combined=max(sum(c[1].values()) for c in candidates))
+
+
+def _ds_defaults(zero: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed 0.19's defaults for what a config leaves out."""
+    stage = int(zero.get("stage", 0))
+    return {"stage": stage, "reduce_bucket_size": 500_000_000, "overlap_comm": stage == 3,
+            "stage3_prefetch_bucket_size": 50_000_000,
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_param_persistence_threshold": 100_000, **zero}
+
+
+def model_facts(model: Any, plan: Any, persistence_threshold: int = 100_000) -> ModelFacts:
+    """`ModelFacts` of ``model`` (meta is fine) under ``plan`` (an `annot.Plan`)."""
+    from annot.policies import Action
+
+    params = {id(p): p for p in model.parameters()}
+    owner: dict[int, int] = {}
+    shard_units = [u for u in plan.units if u.has(Action.SHARD)]
+    for index, u in enumerate(shard_units):
+        for path in u.modules:
+            for p in model.get_submodule(path).parameters():
+                owner.setdefault(id(p), index)
+    sizes = [0] * len(shard_units)
+    for key, p in params.items():
+        if key in owner:
+            sizes[owner[key]] += p.numel()
+    total = sum(p.numel() for p in params.values())
+    persistent = sum(p.numel() for p in params.values() if p.numel() <= persistence_threshold)
+    return ModelFacts(params=total, units=tuple(sizes), root=total - sum(sizes),
+                      persistent=persistent, persistence_threshold=persistence_threshold)
