@@ -1,7 +1,8 @@
 """The planner against counted bytes (examples/bench_memory.py): for every strategy
-annot builds, with checkpointing and CPU offload, on two model sizes, the planner's
-per-rank figure is within 10% of the peak of live tensor bytes counted in a real 2-rank
-CPU training run (one torchrun launch for all rows)."""
+annot builds, with checkpointing and CPU offload, the planner's per-rank figure is within
+10% of the peak of live tensor bytes counted in a real 2-rank CPU training run (one
+torchrun launch for all rows). The suite runs the smaller model size (the launch is the
+slowest test here); `python examples/bench_memory.py` runs both for the README table."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ ROWS = [
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_planner_is_within_ten_percent_of_counted_peaks(tmp_path):
-    rows = compare(launch(tmp_path / "out.pt", list(SIZES), ROWS, timeout=600))
-    assert len(rows) == len(ROWS) * len(SIZES)
+    sizes = list(SIZES)[:1]
+    rows = compare(launch(tmp_path / "out.pt", sizes, ROWS, timeout=600))
+    assert len(rows) == len(ROWS) * len(sizes)
     off = [f"{r['size']} {r['strategy']}{' +ckpt' if r['checkpoint'] else ''}: measured "
            f"{r['measured']} B, planner {r['predicted']} B ({r['error']:+.1%})"
            for r in rows if abs(r["error"]) > TOLERANCE]
