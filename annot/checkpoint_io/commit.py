@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from annot.checkpoint_io.weights_commit import fsync_path
 from annot.errors import CheckpointError
 
 __all__ = [
@@ -53,14 +54,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if _distributed():
         torch.distributed.barrier()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_json(path: Path, value: Any) -> None:
@@ -101,7 +94,7 @@ def commit(staging: Path, final: Path, info: dict[str, Any] | None = None) -> Pa
         files = {p.relative_to(staging).as_posix(): p.stat().st_size
                  for p in sorted(staging.rglob("*")) if p.is_file()}
         write_json(staging / MARKER, {"files": files, **(info or {})})
-        _fsync_dir(staging)
+        fsync_path(staging)
         if final.exists():
             old = final.parent / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -110,7 +103,7 @@ def commit(staging: Path, final: Path, info: dict[str, Any] | None = None) -> Pa
             shutil.rmtree(old)
         else:
             staging.rename(final)
-        _fsync_dir(final.parent)
+        fsync_path(final.parent)
     _barrier()
     return final
 

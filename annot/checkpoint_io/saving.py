@@ -32,7 +32,7 @@ from annot.checkpoint_io.entries import entry as model_entry
 from annot.checkpoint_io.loading import INDEX, SINGLE, state_names
 from annot.checkpoint_io.peft_export import adapter_entries, merged_entries
 from annot.checkpoint_io.safetensors_file import SafetensorsWriter
-from annot.checkpoint_io.weights_commit import commit_weights, fsync_file, staging, weight_files
+from annot.checkpoint_io.weights_commit import commit_weights, fsync_path, staging, weight_files
 from annot.errors import CheckpointError
 from annot.huggingface.model import is_peft_model
 from annot.meta.layout import WHOLE, ShardLayout, local
@@ -185,4 +185,4 @@ def _write_index(staged: Path, shards: list[list[Entry]], names: list[str],
     total = sum(_nbytes(e, out_dtype) for shard in shards for e in shard)
     weight_map = {e.name: name for name, shard in zip(names, shards, strict=True) for e in shard}
     (staged / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    fsync_file(staged / INDEX)
+    fsync_path(staged / INDEX)

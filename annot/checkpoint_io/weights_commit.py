@@ -27,7 +27,7 @@ import re
 import shutil
 from pathlib import Path
 
-__all__ = ["CONFIG_FILES", "TMP_PREFIX", "commit_weights", "fsync_file", "reached", "staging",
+__all__ = ["CONFIG_FILES", "TMP_PREFIX", "commit_weights", "fsync_path", "reached", "staging",
            "weight_files"]
 
 TMP_PREFIX = ".annot-tmp-"
@@ -60,16 +60,14 @@ def weight_files(folder: Path, single: str) -> list[Path]:
     return sorted(p for p in folder.iterdir() if pattern.fullmatch(p.name) and not p.is_dir())
 
 
-def fsync_file(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's, or a folder's, contents to disk (a folder opened read-only can be
+    fsynced on Linux and macOS: that makes its renames durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fsync_file(path)  # a directory opened read-only can be fsynced on Linux and macOS
 
 
 def _replace(source: Path, target: Path) -> None:
@@ -86,7 +84,7 @@ def commit_weights(folder: Path, staged: Path, single: str, index: str) -> None:
     names = {p.name for p in staged.iterdir()}
     configs = [n for n in CONFIG_FILES if n in names]
     for name in configs:
-        fsync_file(staged / name)
+        fsync_path(staged / name)
     if index in names:
         _commit_shards(folder, staged, index, old)
     else:
@@ -96,14 +94,14 @@ def commit_weights(folder: Path, staged: Path, single: str, index: str) -> None:
             (folder / index).unlink()
     for name in configs:  # beside the new weights: a reader may see new weights, old config
         _replace(staged / name, folder / name)
-    _fsync_dir(folder)
+    fsync_path(folder)
     for name in sorted(old - names):
         if not (folder / name).exists():
             continue  # the old index, already removed above
         reached(f"remove {name}")
         (folder / name).unlink(missing_ok=True)
     _remove_leftovers(folder)
-    _fsync_dir(folder)
+    fsync_path(folder)
 
 
 def _commit_shards(folder: Path, staged: Path, index: str, old: set[str]) -> None:
@@ -113,7 +111,7 @@ def _commit_shards(folder: Path, staged: Path, index: str, old: set[str]) -> Non
         interim = staged / f"interim-{index}"
         interim.write_text(json.dumps({"weight_map": {
             key: f"{staged.name}/{shard}" for key, shard in weight_map.items()}}))
-        fsync_file(interim)
+        fsync_path(interim)
         _replace(interim, folder / index)  # commit point: the staged shards are the checkpoint
         for shard in shards:  # a second name for each, so the interim index stays valid
             link = staged / f"link-{shard}"
@@ -123,7 +121,7 @@ def _commit_shards(folder: Path, staged: Path, index: str, old: set[str]) -> Non
     else:
         for shard in shards:  # nothing refers to these names yet
             _replace(staged / shard, folder / shard)
-    _fsync_dir(folder)
+    fsync_path(folder)
     _replace(staged / index, folder / index)  # commit point (or the end of the interim)
 
 
