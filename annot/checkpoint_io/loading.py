@@ -90,7 +90,7 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
     missing, unexpected, groups, available = match.missing, match.unexpected, match.groups, match.available
     if strict and (missing or unexpected):
         raise CheckpointError(_mismatch(path, missing, unexpected))
-    _refuse_incompatible(model, match, layout)
+    _refuse_incompatible(match, layout)
     provided = {n for group in groups if any(m in available for m in group) for n in group}
     _allocate(model, device, skip=provided, layout=layout)
     loaded, read = _fill_from_safetensors(model, groups, match, layout)
@@ -118,6 +118,7 @@ class _Match:
     available: dict[str, Path]  # model name -> file holding it
     file_key: dict[str, str]  # model name -> its key in that file
     files: dict[Path, SafetensorsFile]  # every file, its header checked
+    names: dict[str, torch.Tensor]  # `state_names` when matched (before any allocation)
 
 
 def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
@@ -137,19 +138,18 @@ def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
     groups = _tied_groups(model, names, layout)
     missing = [group[0] for group in groups if not any(n in available for n in group)]
     unexpected = sorted(set(available) - set(names))
-    return _Match(missing, unexpected, groups, available, file_key, files)
+    return _Match(missing, unexpected, groups, available, file_key, files, names)
 
 
-def _refuse_incompatible(model: nn.Module, match: _Match, layout: ShardLayout) -> None:
+def _refuse_incompatible(match: _Match, layout: ShardLayout) -> None:
     """Compare every tensor the checkpoint provides with the model's, from the headers
     alone, before anything is allocated (docs/design.md, pitfall 17): the shape must be
     equal, and the dtype equal or both floating point (a cast between float types is a
     conversion; anything else would reinterpret values)."""
-    names = state_names(model, layout)
     for name, file in match.available.items():
-        if name not in names:
+        if name not in match.names:
             continue
-        target, key, handle = names[name], match.file_key[name], match.files[file]
+        target, key, handle = match.names[name], match.file_key[name], match.files[file]
         parts = layout.parts.get(id(target))
         model_shape = parts[0].full_shape if parts else tuple(target.shape)
         if handle.shape(key) != model_shape:
@@ -172,7 +172,7 @@ def check_compatible(model: nn.Module, path: str | os.PathLike[str],
         return  # a torch distributed checkpoint, or nothing: `load` says which
     if (path / ".metadata").is_file() and commit.is_committed(path):
         return  # an annot training state: read as DCP by `load`
-    _refuse_incompatible(model, _match(model, path, layout), layout)
+    _refuse_incompatible(_match(model, path, layout), layout)
 
 
 def check_keys(model: nn.Module, path: str | os.PathLike[str],

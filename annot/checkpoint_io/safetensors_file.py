@@ -53,7 +53,7 @@ class SafetensorsWriter:
         for name, shape, dtype in entries:
             if dtype not in DTYPE_NAMES:
                 raise TypeError(f"safetensors cannot store {name} of dtype {dtype}")
-            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            size = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + size]}
             self.order.append(name)
@@ -140,7 +140,7 @@ def parse_header(raw: bytes, data_size: int) -> dict[str, TensorEntry]:
         if (not isinstance(offsets, list) or len(offsets) != 2
                 or not all(_is_count(o) for o in offsets) or offsets[1] < offsets[0]):
             raise CheckpointError(f"{name}: data_offsets {offsets!r} is not [begin, end]")
-        nbytes = math.prod(shape) * _itemsize(DTYPES[dtype])
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
         if offsets[1] - offsets[0] != nbytes:
             raise CheckpointError(f"{name}: {offsets[1] - offsets[0]} bytes of data for {dtype} "
                                   f"{shape}, which needs {nbytes}")
@@ -157,10 +157,6 @@ def parse_header(raw: bytes, data_size: int) -> dict[str, TensorEntry]:
     if end != data_size:
         raise CheckpointError(f"{data_size - end} bytes after the last tensor's data")
     return entries
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 _HUGE = 2 * 2**20  # a transparent huge page on x86-64 and arm64 Linux

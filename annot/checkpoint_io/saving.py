@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -154,10 +155,7 @@ def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], t
 
 
 def _nbytes(entry: Entry, out_dtype: Callable[[Entry], torch.dtype]) -> int:
-    count = 1
-    for size in entry.shape:
-        count *= size
-    return count * torch.empty((), dtype=out_dtype(entry)).element_size()
+    return math.prod(entry.shape) * out_dtype(entry).itemsize
 
 
 def _split(entries: list[Entry], limit: int | None,
