@@ -17,7 +17,7 @@ from annot.checkpoint_io.loading import check_compatible, load_logged
 from annot.engines import checks
 from annot.engines.base import OptimizerFactory, Trainable, WrapRequest
 from annot.engines.registry import get_engine
-from annot.huggingface.model import prepare_for_training, pretrained_inside
+from annot.huggingface.model import prepare_for_training
 from annot.meta.deferred import deferred_init_of
 from annot.planning import resolve_plan
 from annot.policies import Plan, Policy, Rule
@@ -119,9 +119,7 @@ def auto_wrap(
     if request.load_from is not None:  # shapes and dtypes from the headers, before any allocation
         check_compatible(model, request.load_from)
     checkpointed = steps.checkpoint_paths(model, plan, checkpoint)
-    hf_model = pretrained_inside(model)                           # 3. HF training settings
-    if hf_model is not None:  # a transformers model, bare or inside PEFT or a user's module
-        prepare_for_training(hf_model, checkpointing=bool(checkpointed))
+    prepare_for_training(model, checkpointing=bool(checkpointed)) # 3. HF training settings
     if load_from is not None and not deferred:                    # a model with storage
         load_logged(model, load_from, request.device)
     before = list(model.parameters())

@@ -9,7 +9,6 @@ touched; the other files are still processed). Messages go to stderr, diffs to s
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import difflib
 import os
@@ -117,21 +116,10 @@ def _marks_of(path: str) -> list:
     try:
         text, _ = decode(Path(path).read_bytes())
         return file_marks(text)
-    except (cst.ParserSyntaxError, OSError, UnicodeDecodeError, SyntaxError, LookupError):
+    except (cst.ParserSyntaxError, OSError, UnicodeDecodeError, SyntaxError, LookupError,
+            RecursionError, MemoryError):
         # Reported by pass 2, which reads and parses the file again.
         return []
-
-
-def _refuse_deep_nesting(text: str, path: str) -> None:
-    """CPython's parser refuses nesting beyond its limits with a ``SyntaxError``; libcst's
-    native parser can overflow the C stack on the same input and kill the process (3000
-    nested parentheses did, under ``-j 1``). So `ast` looks first; other syntax errors
-    are left to libcst, whose messages point at the spot."""
-    try:
-        ast.parse(text, filename=path)
-    except SyntaxError as e:
-        if "too many" in str(e.msg):  # "too many nested parentheses", "... levels of indentation"
-            raise RecursionError(e.msg) from None
 
 
 def _die_with_parent() -> None:
@@ -155,7 +143,6 @@ def _process(job: _Job) -> _Outcome:
     path = Path(job.path)
     try:
         text, encoding = decode(path.read_bytes())
-        _refuse_deep_nesting(text, job.path)
         if job.undo:
             result = undo_source(text)
         else:

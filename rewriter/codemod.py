@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
+from annot.rewriter._parse import parse_module
 from annot.rewriter._positions import generate, locate
 from annot.rewriter.imports import ImportTable, import_marker
 from annot.rewriter.sites import (
@@ -217,10 +218,9 @@ def checkpoint_call(
     """
     if em.target == "deepspeed":
         func = em.expr(em.ref(_CHECKPOINT["deepspeed"]))
-        names = [a.value.value for a in call.args if isinstance(a.value, cst.Name)]
-        if len(names) == len(call.args) == len(streams) and all(
-            a.keyword is None and not a.star for a in call.args
-        ):
+        # Streams are distinct positional name arguments (`streams.candidates`): as many
+        # as the call has arguments means every argument is one.
+        if len(streams) == len(call.args):
             return _prepend_arg(call, func, call.func)
         return _bound_call(call, func, streams, fresh)
     ckpt = em.expr(em.ref(_CHECKPOINT["torch"]))
@@ -604,7 +604,7 @@ def rewrite_source(
     Every byte outside the wrapped statements and the added imports is kept.
     """
     bom, text = _split_bom(source)
-    module = cst.parse_module(text)
+    module = parse_module(text)
     new_module, result = rewrite_module(module, target=target, blocks=blocks, functional=functional)
     code = bom + result.code if result.changed else source
     return dataclasses.replace(result, code=code)
@@ -639,7 +639,7 @@ def undo_source(source: str) -> RewriteResult:
         return RewriteResult(code=source)
     bom, text = _split_bom(source)
     undo = _Undo()
-    module = cst.parse_module(text).visit(undo)
+    module = parse_module(text).visit(undo)
     if not undo.removed:
         return RewriteResult(code=source)
     return RewriteResult(code=bom + module.code, changed=True)

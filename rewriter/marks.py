@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
+from annot.rewriter._parse import parse_module
 from annot.rewriter.imports import ImportTable, dotted_name
 
 __all__ = ["ClassMark", "checkpointed_classes", "class_marks", "file_marks", "marked_classes"]
@@ -119,7 +120,7 @@ def file_marks(source: str) -> list[ClassMark]:
     """`class_marks` of one file; a file naming no marker is only read for its classes'
     bases (a regex, no parse), which is all inheritance across files needs."""
     if might_mark(source):
-        return class_marks(cst.parse_module(source.lstrip("\ufeff")))
+        return class_marks(parse_module(source.lstrip("\ufeff")))
     return [
         ClassMark(
             m[1],

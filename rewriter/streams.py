@@ -149,13 +149,14 @@ def safe_streams(
         return set()
     passed = {id(a.value) for _, args in sites for a in args}
     index = {id(stmt): i for i, stmt in enumerate(body.body)}
+    assigns = [_statement_assigns(stmt) for stmt in body.body]
     safe = set()
     for top, args in sites:
         end = index[id(top)]
         for a in args:
             assert isinstance(a.value, cst.Name)
             name = a.value.value
-            fresh = [i for i in range(end) if name in _statement_assigns(body.body[i])]
+            fresh = [i for i in range(end) if name in assigns[i]]
             if not fresh:
                 continue  # a parameter, or set only inside a branch: the caller may hold it
             if not any(_loads(body.body[i], name, passed) for i in range(fresh[-1] + 1, end + 1)):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from annot.engines.deepspeed import _without_shared_parameters, deepspeed_checkpoint
-from annot.huggingface.model import prepare_for_training, pretrained_inside
+from annot.huggingface.model import prepare_for_training
 from annot.planning import resolve_plan
 from annot.policies import Action, Plan, Policy, Rule
 from annot.runtime.activation_checkpoint import apply_checkpointing as _apply
@@ -56,7 +56,5 @@ def apply_checkpointing(
             f"the Plan of {type(model).__name__} checkpoints no module"
             + (" that DeepSpeed can (tied weights)" if engine == "deepspeed" else "")
             + ": pass checkpoint=True (every unit) or a policy with checkpoint=...")
-    hf_model = pretrained_inside(model)
-    if hf_model is not None:
-        prepare_for_training(hf_model, checkpointing=bool(paths))
+    prepare_for_training(model, checkpointing=bool(paths))
     return _apply(model, paths, deepspeed_checkpoint if engine == "deepspeed" else torch_checkpoint)

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.fsdp.wrap import _Policy
 
 from annot.errors import PolicySelectionError
-from annot.huggingface.model import prepare_for_training, pretrained_inside
+from annot.huggingface.model import prepare_for_training
 from annot.policies import Plan
 from annot.policies.model_index import qualified_class_name
 
@@ -63,7 +63,11 @@ def locate_plan(root: nn.Module, plan: Plan, ignored: set[nn.Module] | None = No
     """Where ``plan``'s model sits in ``root``: the path prefixes (``""``: ``root`` is it)
     under which the Plan's root class and every unit's modules, with their classes, are
     found. Raises `PolicySelectionError` when there is none."""
-    by_path = _by_plain_path(root, ignored or set())
+    return _locate(_by_plain_path(root, ignored or set()), root, plan)
+
+
+def _locate(by_path: dict[str, list[nn.Module]], root: nn.Module, plan: Plan) -> list[str]:
+    """`locate_plan` on ``root``'s modules already indexed by plain path."""
     expected = [(path, unit.cls) for unit in plan.units for path in unit.modules]
     # Group members of a unit are other classes than unit.cls (tied embedding and head):
     # only the unit's own path is checked by class, the rest by existence.
@@ -115,7 +119,7 @@ class PlanPolicy(_Policy):
         by_path = _by_plain_path(root, ignored)
         classes = {path: unit.cls for unit in self.plan.units for path in unit.modules}
         chosen: list[nn.Module] = []
-        for prefix in locate_plan(root, self.plan, ignored):
+        for prefix in _locate(by_path, root, self.plan):
             for path in self.paths:
                 modules = by_path.get(_join(prefix, path), [])
                 module = _of_class(modules, classes.get(path, "")) or (modules[-1] if modules else None)
@@ -132,9 +136,7 @@ class PlanPolicy(_Policy):
                     root_kwargs: dict[str, Any]) -> dict[nn.Module, dict[str, Any]]:
         chosen = self.select(root_module, ignored_modules)
         if chosen and self.no_cache_when_selected:
-            hf_model = pretrained_inside(root_module)
-            if hf_model is not None:
-                prepare_for_training(hf_model, checkpointing=True)
+            prepare_for_training(root_module, checkpointing=True)
         return {module: copy.copy(root_kwargs) for module in chosen}
 
     def __repr__(self) -> str:

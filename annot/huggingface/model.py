@@ -121,8 +121,10 @@ def keep_in_fp32_names(model: nn.Module, dtype: torch.dtype) -> list[str]:
 
 
 def prepare_for_training(model: nn.Module, *, checkpointing: bool) -> list[str]:
-    """Adjust a ``PreTrainedModel`` for `auto_wrap`; returns what was changed, in words
-    (each also logged on the ``annot.huggingface`` logger).
+    """Adjust the transformers model ``model`` is or holds (`pretrained_inside`: bare,
+    inside PEFT or inside a module of the user's) for training; returns what was changed,
+    in words (each also logged on the ``annot.huggingface`` logger), nothing for a model
+    without one.
 
     ``checkpointing``: whether annot checkpoints some of its units. If so and
     transformers' own activation checkpointing is on, it is turned off (annot's runs
@@ -133,6 +135,10 @@ def prepare_for_training(model: nn.Module, *, checkpointing: bool) -> list[str]:
     keeps the user's ``use_cache``: the setting is passed to each training forward by a
     forward pre-hook on the root, not written into the config.
     """
+    hf_model = pretrained_inside(model)
+    if hf_model is None:
+        return []
+    model = hf_model
     notes: list[str] = []
     theirs = _hf_checkpointing(model)
     if theirs and checkpointing:
