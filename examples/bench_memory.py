@@ -116,10 +116,9 @@ def predict(name: str, key: str, checkpoint: bool) -> int:
     with torch.device("meta"):
         model = GPT(**size["shape"])
     plan = annot.plan(model)
-    traces = {(None, None, checkpoint): trace_step(model, plan, batch=size["batch"], seq=size["seq"],
-                                                   checkpoint=checkpoint)}
-    memory = strategy_memory(strategy(key), traces, model_facts(model, plan), plan, world=WORLD,
-                             precision="fp32", optimizer="adamw", checkpoint=checkpoint)
+    trace = trace_step(model, plan, batch=size["batch"], seq=size["seq"], checkpoint=checkpoint)
+    memory = strategy_memory(strategy(key), trace, model_facts(model, plan), plan, world=WORLD,
+                             precision="fp32", optimizer="adamw")
     return memory.combined
 
 
@@ -207,10 +206,9 @@ def simulate_fsdp2(size: dict[str, Any], world: int, checkpoint: bool) -> tuple[
             measured = int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
     finally:
         dist.destroy_process_group()
-    traces = {(None, None, checkpoint): trace_step(meta, plan, batch=size["batch"], seq=size["seq"],
-                                                   checkpoint=checkpoint)}
-    planned = strategy_memory(strategy("fsdp2"), traces, model_facts(meta, plan), plan, world=world,
-                              precision="fp32", optimizer="adamw", checkpoint=checkpoint)
+    trace = trace_step(meta, plan, batch=size["batch"], seq=size["seq"], checkpoint=checkpoint)
+    planned = strategy_memory(strategy("fsdp2"), trace, model_facts(meta, plan), plan, world=world,
+                              precision="fp32", optimizer="adamw")
     return measured, planned.device
 
 

@@ -17,7 +17,7 @@ from annot.errors import EngineNotAvailableError
 from annot.planning import resolve_plan
 from annot.policies import Action, Plan
 
-__all__ = ["deepspeed_config", "zero_buffer_sizes"]
+__all__ = ["PERSISTENCE_THRESHOLD", "deepspeed_config", "zero_buffer_sizes"]
 
 _PRECISIONS = {None: None, "fp32": None, "bf16": "bf16", "fp16": "fp16"}
 # Caps on the buffer sizes below, in elements: Lightning's reduce/all-gather bucket
@@ -25,7 +25,7 @@ _PRECISIONS = {None: None, "fp32": None, "bf16": "bf16", "fp16": "fp16"}
 _BUCKET_CAP = 200_000_000
 _PREFETCH_CAP = 50_000_000
 _MAX_LIVE_CAP = 1_000_000_000
-_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default: parameters this small stay whole
+PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default: parameters this small stay whole
 
 
 def zero_buffer_sizes(plan: Plan, stage: int) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def zero_buffer_sizes(plan: Plan, stage: int) -> dict[str, Any]:
             "stage3_prefetch_bucket_size": min(_PREFETCH_CAP, unit),
             "stage3_max_live_parameters": min(_MAX_LIVE_CAP, 2 * unit),
             "stage3_max_reuse_distance": min(_MAX_LIVE_CAP, unit),
-            "stage3_param_persistence_threshold": _PERSISTENCE_THRESHOLD,
+            "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
         })
     return sizes
 

@@ -202,9 +202,6 @@ class StepTrace:
     #: or ``"backward"``; what an engine gathers depends on the unit and phase
     #: (`annot.memory.engine_memory`).
     segments: tuple[tuple[str, int, int, int], ...] = ()
-    #: Parameters of each shard unit, in Plan order; ``root``: those in no unit.
-    units: tuple[int, ...] = ()
-    root: int = 0
 
 
 def trace_step(
@@ -262,13 +259,6 @@ def trace_step(
         for path in modules:
             for p in model.get_submodule(path).parameters():
                 unit_of.setdefault(id(p), index)
-    unit_sizes = [0] * len(shard_paths)
-    root = 0
-    for p in params.values():
-        if id(p) in unit_of:
-            unit_sizes[unit_of[id(p)]] += p.numel()
-        else:
-            root += p.numel()
     state: dict[str, Any] = {"phase": "forward", "unit": -1}
     segments: list[list[Any]] = [["forward", -1, 0, 0]]
 
@@ -327,8 +317,7 @@ def trace_step(
             module.training = training
     return StepTrace(batch=batch, seq=seq, checkpoint=bool(paths), peak=peaks["act"],
                      peak_with_grads=peaks["all"], grads=peaks["grads"],
-                     segments=tuple((ph, u, top, end) for ph, u, top, end in segments),
-                     units=tuple(unit_sizes), root=root)
+                     segments=tuple((ph, u, top, end) for ph, u, top, end in segments))
 
 
 def _loss_of(out: Any) -> torch.Tensor:

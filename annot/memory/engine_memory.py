@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from annot.engines.deepspeed_config import PERSISTENCE_THRESHOLD
 from annot.memory.activations import StepTrace
 from annot.memory.strategies import MemoryInputError, Strategy
 
@@ -37,7 +38,6 @@ class ModelFacts:
     units: tuple[int, ...]
     root: int
     persistent: int
-    persistence_threshold: int
 
     @property
     def largest_unit(self) -> int:
@@ -232,10 +232,10 @@ def _ds_defaults(zero: dict[str, Any]) -> dict[str, Any]:
     return {"stage": stage, "reduce_bucket_size": 500_000_000, "overlap_comm": stage == 3,
             "stage3_prefetch_bucket_size": 50_000_000,
             "stage3_max_live_parameters": 1_000_000_000,
-            "stage3_param_persistence_threshold": 100_000, **zero}
+            "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD, **zero}
 
 
-def model_facts(model: Any, plan: Any, persistence_threshold: int = 100_000) -> ModelFacts:
+def model_facts(model: Any, plan: Any, persistence_threshold: int = PERSISTENCE_THRESHOLD) -> ModelFacts:
     """`ModelFacts` of ``model`` (meta is fine) under ``plan`` (an `annot.Plan`)."""
     from annot.policies import Action
 
@@ -252,5 +252,4 @@ def model_facts(model: Any, plan: Any, persistence_threshold: int = 100_000) -> 
             sizes[owner[key]] += p.numel()
     total = sum(p.numel() for p in params.values())
     persistent = sum(p.numel() for p in params.values() if p.numel() <= persistence_threshold)
-    return ModelFacts(params=total, units=tuple(sizes), root=total - sum(sizes),
-                      persistent=persistent, persistence_threshold=persistence_threshold)
+    return ModelFacts(params=total, units=tuple(sizes), root=total - sum(sizes), persistent=persistent)

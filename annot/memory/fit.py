@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from annot.memory.activations import InputsFn, StepTrace, trace_step
-from annot.memory.engine_memory import model_facts
+from annot.memory.engine_memory import ModelFacts, model_facts
 from annot.memory.report import MARGIN, RESERVE, _trace_setting, strategy_memory
 from annot.memory.strategies import Strategy, strategy
 from annot.policies import Action, Plan, make_plan
@@ -72,7 +72,7 @@ def largest_fit(
     ``checkpoint``, the Plan's checkpointing is on (what a user squeezing memory runs)."""
     chosen = [strategy(k) for k in keys]
     plan_of = plan_of or make_plan
-    built: dict[int, tuple[nn.Module, Plan]] = {}
+    built: dict[int, tuple[nn.Module, Plan, ModelFacts]] = {}
     traces: dict[tuple[Any, ...], StepTrace] = {}
     cache: dict[tuple[str, int, int], tuple[bool, int, int, float]] = {}
 
@@ -82,8 +82,9 @@ def largest_fit(
         if (s.key, value, micro) not in cache:
             if value not in built:
                 model = build(value)
-                built[value] = (model, plan_of(model))
-            model, plan = built[value]
+                plan = plan_of(model)
+                built[value] = (model, plan, model_facts(model, plan))
+            model, plan, facts = built[value]
             ckpt = checkpoint and bool(plan.paths(Action.CHECKPOINT))
             dtype, autocast = _trace_setting(s, precision)
             setting = (dtype, autocast, ckpt)
@@ -91,10 +92,8 @@ def largest_fit(
                 traces[(value, micro, *setting)] = trace_step(
                     model, plan, batch=micro, seq=seq, checkpoint=ckpt, dtype=dtype,
                     autocast=autocast, inputs=inputs)
-            facts = model_facts(model, plan)
-            m = strategy_memory(s, {setting: traces[(value, micro, *setting)]}, facts, plan,
-                                world=gpus * nodes, precision=precision, optimizer=optimizer,
-                                checkpoint=ckpt)
+            m = strategy_memory(s, traces[(value, micro, *setting)], facts, plan,
+                                world=gpus * nodes, precision=precision, optimizer=optimizer)
             host_share = 0.0 if s.option("offload") == "nvme" else m.host * gpus / host_mem
             share = max((m.device * (1 + margin) + reserve) / gpu_mem, host_share)
             cache[(s.key, value, micro)] = (share <= 1, m.device, facts.params, share)

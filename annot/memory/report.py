@@ -19,7 +19,7 @@ from annot.memory.activations import (
 )
 from annot.memory.engine_memory import OPTIMIZERS, ModelFacts, RankMemory, model_facts, rank_memory
 from annot.memory.strategies import PRECISIONS, STRATEGIES, MemoryInputError, Strategy, strategy
-from annot.policies import Plan, Policy, Rule, make_plan
+from annot.policies import Action, Plan, Policy, Rule, make_plan
 from annot.policies.plan import format_bytes
 from annot.policies.rules import format_count
 
@@ -145,10 +145,10 @@ def _trace_setting(strategy: Strategy, precision: str) -> tuple[torch.dtype | No
     return half, None
 
 
-def strategy_memory(strategy: Strategy, traces: dict[tuple[Any, ...], StepTrace], facts: ModelFacts,
-                    plan: Plan, *, world: int, precision: str, optimizer: str,
-                    checkpoint: bool) -> RankMemory:
-    """`rank_memory` of ``strategy`` with the config annot writes for it."""
+def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, plan: Plan, *,
+                    world: int, precision: str, optimizer: str) -> RankMemory:
+    """`rank_memory` of ``strategy`` with the config annot writes for it, on ``trace``
+    (the training step traced in ``strategy``'s precision setting, `_trace_setting`)."""
     zero = None
     if strategy.engine == "deepspeed":
         from annot.engines.deepspeed_config import deepspeed_config
@@ -156,8 +156,6 @@ def strategy_memory(strategy: Strategy, traces: dict[tuple[Any, ...], StepTrace]
         options = strategy.engine_options(precision)
         precision_name = options.pop("mixed_precision", None)
         zero = deepspeed_config(plan, precision=precision_name, **options)["zero_optimization"]
-    dtype, autocast = _trace_setting(strategy, precision)
-    trace = traces[(dtype, autocast, checkpoint)]
     return rank_memory(strategy, trace, facts, world=world, precision=precision,
                        optimizer=optimizer, ds_zero=zero)
 
@@ -227,18 +225,22 @@ def _rows(model: nn.Module, plan: Plan, *, gpus: int, nodes: int, batch: int, se
                                     dtype=None if precision in ("fp32", "amp") else half, inputs=inputs)
     facts = model_facts(model, plan)
     chosen = [s for s in STRATEGIES if keys is None or s.key in keys]
+    # With no unit to checkpoint, the checkpointed step is the plain one: traced once.
+    can_checkpoint = bool(plan.paths(Action.CHECKPOINT))
     traces: dict[tuple[Any, ...], StepTrace] = {}
     for s in chosen:
         dtype, autocast = _trace_setting(s, precision)
-        for checkpoint in (False, True):
+        for checkpoint in (False, can_checkpoint):
             if (dtype, autocast, checkpoint) not in traces:
                 traces[(dtype, autocast, checkpoint)] = trace_step(
                     model, plan, batch=batch, seq=seq, checkpoint=checkpoint, dtype=dtype,
                     autocast=autocast, inputs=inputs)
     rows = []
     for s in chosen:
-        plain, ckpt = (strategy_memory(s, traces, facts, plan, world=gpus * nodes, precision=precision,
-                                       optimizer=optimizer, checkpoint=c) for c in (False, True))
+        setting = _trace_setting(s, precision)
+        plain, ckpt = (strategy_memory(s, traces[(*setting, c)], facts, plan, world=gpus * nodes,
+                                       precision=precision, optimizer=optimizer)
+                       for c in (False, can_checkpoint))
         nvme = s.option("offload") == "nvme"
         host = max(plain.host, ckpt.host) * gpus  # every rank of a node offloads to its host
         host_ok = nvme or host <= host_mem
