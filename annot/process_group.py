@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT_S", "init_distributed"]
+__all__ = ["DEFAULT_TIMEOUT_S", "barrier", "init_distributed", "rank_and_world"]
 
 DEFAULT_TIMEOUT_S = 600.0  # long enough for a checkpoint save, far below torch's 30 minutes
 _DONE = "done"
@@ -54,6 +54,20 @@ def init_distributed(backend: str | None = None, *, timeout: float = DEFAULT_TIM
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     if heartbeat and dist.get_world_size() > 1:
         _Heartbeat(timeout).start()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size of the default process group; ``(0, 1)``
+    without one (one process: the same code runs alone)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
+    """A barrier of the default process group; nothing without one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 class _Heartbeat(threading.Thread):

@@ -39,6 +39,7 @@ from annot.engines.base import Trainable
 from annot.engines.layout import shard_layout
 from annot.engines.training_state import EngineState, FlatState, TorchState
 from annot.errors import CheckpointError
+from annot.process_group import barrier, rank_and_world
 
 __all__ = ["PendingSave", "ResumedState", "latest_state", "load_state", "save_state"]
 
@@ -61,12 +62,6 @@ class ResumedState:
     saved_engine: str
     #: Whether this rank's RNG states were restored (same world size only).
     rng_restored: bool
-
-
-def _world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def _rng_file(rank: int) -> str:
@@ -186,7 +181,7 @@ def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step:
     _finish_pending()
     import torch.distributed.checkpoint as dcp
 
-    rank, world = _world()
+    rank, world = rank_and_world()
     directory = Path(directory)
     final = step_folder(directory, step)
     state, groups, counters = engine_state(trainable).save_dict()
@@ -225,14 +220,13 @@ def _background_group() -> Any:
 
 def _finish(staging: Path, final: Path, directory: Path, info: dict[str, Any],
             keep_last: int | None) -> None:
-    if _world()[0] == 0:
+    if rank_and_world()[0] == 0:
         commit.write_json(staging / STATE_FILE, info)
     commit.commit(staging, final, {"format": FORMAT, "step": info["step"]})
-    if keep_last is not None and _world()[0] == 0:
+    if keep_last is not None and rank_and_world()[0] == 0:
         for old in _committed(directory)[:-keep_last]:
             shutil.rmtree(old)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    barrier()
 
 
 # -- load ----------------------------------------------------------------------------------
@@ -317,7 +311,7 @@ def load_state(directory: str | os.PathLike[str], trainable: Trainable, *,
         if info.get("scheduler") is None:
             raise CheckpointError(f"{path} holds no scheduler state, but a scheduler was passed")
         scheduler.load_state_dict(info["scheduler"])
-    rank, world = _world()
+    rank, world = rank_and_world()
     same_world = info["world_size"] == world
     if same_world:
         set_rng_states(json.loads((path / _rng_file(rank)).read_text()))

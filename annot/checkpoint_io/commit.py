@@ -22,10 +22,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from annot.checkpoint_io.weights_commit import fsync_path
 from annot.errors import CheckpointError
+from annot.process_group import barrier, rank_and_world
 
 __all__ = [
     "MARKER",
@@ -41,19 +40,6 @@ __all__ = [
 MARKER = "COMMITTED"
 PLAN = "SAVING.json"
 _PARTIAL = ".partial"
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if _distributed() else 0
-
-
-def _barrier() -> None:
-    if _distributed():
-        torch.distributed.barrier()
 
 
 def write_json(path: Path, value: Any) -> None:
@@ -76,11 +62,11 @@ def begin(final: str | os.PathLike[str], expected: dict[str, Any]) -> Path:
     fresh one holding ``PLAN`` (``expected``: what the save will write, for messages
     about an incomplete one). Collective; returns the staging folder."""
     staging = staging_path(Path(final))
-    if _rank() == 0:
+    if rank_and_world()[0] == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         write_json(staging / PLAN, expected)
-    _barrier()
+    barrier()
     return staging
 
 
@@ -89,8 +75,8 @@ def commit(staging: Path, final: Path, info: dict[str, Any] | None = None) -> Pa
     files): after a barrier rank 0 writes the marker, renames ``staging`` to ``final``
     (an existing ``final`` is replaced only once the new one is in place) and syncs the
     parent folder. Collective; returns ``final``."""
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if rank_and_world()[0] == 0:
         files = {p.relative_to(staging).as_posix(): p.stat().st_size
                  for p in sorted(staging.rglob("*")) if p.is_file()}
         write_json(staging / MARKER, {"files": files, **(info or {})})
@@ -104,7 +90,7 @@ def commit(staging: Path, final: Path, info: dict[str, Any] | None = None) -> Pa
         else:
             staging.rename(final)
         fsync_path(final.parent)
-    _barrier()
+    barrier()
     return final
 
 

@@ -37,6 +37,7 @@ from annot.checkpoint_io.weights_commit import commit_weights, fsync_path, stagi
 from annot.errors import CheckpointError
 from annot.huggingface.model import is_peft_model
 from annot.meta.layout import WHOLE, ShardLayout, local
+from annot.process_group import barrier, rank_and_world
 
 __all__ = ["DEFAULT_SHARD_BYTES", "save"]
 
@@ -79,10 +80,9 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *,
             "adapters merged in, for AutoModelForCausalLM.from_pretrained)")
     if peft is not None and not is_peft_model(model):
         raise CheckpointError(f"peft={peft!r}, but {type(model).__name__} is not a PEFT model")
-    if torch.distributed.is_initialized():
-        # Every rank has looked at the directory before rank 0 writes it: with whole
-        # parameters no gather holds rank 0 back, and another rank would find the new save.
-        torch.distributed.barrier()
+    # Every rank has looked at the directory before rank 0 writes it: with whole
+    # parameters no gather holds rank 0 back, and another rank would find the new save.
+    barrier()
 
     def out_dtype(entry: Entry) -> torch.dtype:
         return dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
@@ -119,7 +119,7 @@ def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], t
            extra: Callable[[Path], Any] | None) -> list[Path]:
     """Stream ``entries`` into safetensors files staged inside ``directory`` (rank 0), add
     what ``extra(staged)`` writes (configs), then commit them (`commit_weights`)."""
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rank = rank_and_world()[0]
     shards = _split(entries, max_shard_bytes, out_dtype)
     names = [single if len(shards) == 1 else _shard_name(i, len(shards)) for i in range(len(shards))]
     created = not directory.exists()
@@ -149,8 +149,7 @@ def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], t
                 with contextlib.suppress(OSError):
                     directory.rmdir()
         raise
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    barrier()
     return [directory / name for name in names]
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "DeepSpeedTrainable",
     "LeafModules",
     "deepspeed_checkpoint",
+    "partition_range",
     "partition_unit_by_unit",
     "set_leaf_modules",
     "shard_layout",
@@ -324,15 +325,22 @@ def shard_layout(model: nn.Module) -> ShardLayout:
                 "a ZeRO-3 parameter partition is swapped out to NVMe (offload_param device "
                 "'nvme'), so it cannot be filled in place: materialize or load the model "
                 "before deepspeed.initialize (auto_wrap(..., load_from=...) does)")
-        import deepspeed.comm
-
         numel, shape = param.ds_numel, tuple(param.ds_shape)  # type: ignore[attr-defined]
-        start = partition.ds_numel * deepspeed.comm.get_rank(group=param.ds_process_group)  # type: ignore[attr-defined]
-        found = [FlatPart(partition, min(start, numel), min(start + partition.ds_numel, numel), shape)]
+        found = [FlatPart(partition, *partition_range(param), shape)]
         if param.data.numel() == numel:
             found.append(FlatPart(param.data.view(-1), 0, numel, shape))
         parts[id(param)] = found
     return ShardLayout(parts, engine="deepspeed", gather=_gather) if parts else ShardLayout()
+
+
+def partition_range(param: torch.Tensor) -> tuple[int, int]:
+    """The elements of ZeRO-3 ``param`` (flattened) that this rank's partition holds:
+    partition ``r`` of the padded parameter on rank ``r`` of its group, cut at its end."""
+    import deepspeed.comm
+
+    size, numel = param.ds_tensor.ds_numel, param.ds_numel  # type: ignore[attr-defined]
+    start = min(size * deepspeed.comm.get_rank(group=param.ds_process_group), numel)  # type: ignore[attr-defined]
+    return start, min(start + size, numel)
 
 
 def _gather(param: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from torch import nn
 from annot.checkpoint_io.flat_chunks import FlatChunks
 from annot.checkpoint_io.loading import state_names
 from annot.engines.base import Trainable
-from annot.engines.deepspeed import shard_layout
+from annot.engines.deepspeed import partition_range, shard_layout
 from annot.engines.training_state import Reader, groups_from_json, groups_to_json
 from annot.errors import CheckpointError
 from annot.meta.layout import ShardLayout
@@ -84,11 +84,7 @@ class DeepSpeedState:
     def _range(self, param: nn.Parameter) -> tuple[int, int]:
         """The elements of ``param`` (flattened) this rank's partition covers."""
         if self.stage == 3:
-            import deepspeed.comm
-
-            size = param.ds_tensor.ds_numel  # type: ignore[attr-defined]
-            start = min(size * deepspeed.comm.get_rank(group=param.ds_process_group), param.ds_numel)  # type: ignore[attr-defined]
-            return start, min(start + size, param.ds_numel)  # type: ignore[attr-defined]
+            return partition_range(param)
         mapping = getattr(param, "_hp_mapping", None)
         if mapping is None:  # no part of it in this rank's partition
             return 0, 0
@@ -254,26 +250,29 @@ class DeepSpeedState:
         """The checkpoint's optimizer keys (-> per element), created in the torch
         optimizer's state where it has none yet (DeepSpeed creates it at the first step)."""
         wanted: dict[str, bool] = {}
-        prefixes = [f"optim.state.{name}." for name, _ in trained]
+        dtypes: dict[str, torch.dtype] = {}
+        by_name = dict(trained)
         for key, meta in keys.items():
-            for (name, param), prefix in zip(trained, prefixes, strict=True):
-                if key.startswith(prefix):
-                    state_key = key[len(prefix):]
-                    shape = tuple(param.ds_shape if self.stage == 3 else param.shape)  # type: ignore[attr-defined]
-                    if tuple(meta.size) == shape:
-                        wanted[state_key] = True
-                    elif len(meta.size) == 0:
-                        wanted[state_key] = False
-                    else:
-                        raise CheckpointError(f"{key}: shape {tuple(meta.size)} is neither {name}'s "
-                                              f"{shape} nor a scalar")
+            # optim.state.<parameter name>.<state key>: state keys have no dots.
+            name, _, state_key = key.removeprefix("optim.state.").rpartition(".")
+            param = by_name.get(name) if key.startswith("optim.state.") else None
+            if param is None:
+                continue
+            shape = tuple(param.ds_shape if self.stage == 3 else param.shape)  # type: ignore[attr-defined]
+            if tuple(meta.size) == shape:
+                wanted[state_key] = True
+            elif len(meta.size) == 0:
+                wanted[state_key] = False
+            else:
+                raise CheckpointError(f"{key}: shape {tuple(meta.size)} is neither {name}'s "
+                                      f"{shape} nor a scalar")
+            dtypes.setdefault(state_key, meta.properties.dtype)
         for partition in self._partitions():
             state = self.inner.state[partition]
             for state_key, per_element in wanted.items():
                 if state_key not in state:
-                    dtype = next(m.properties.dtype for k, m in keys.items() if k.endswith("." + state_key))
                     state[state_key] = (torch.zeros_like(partition) if per_element
-                                        else torch.zeros((), dtype=dtype))
+                                        else torch.zeros((), dtype=dtypes[state_key]))
         return wanted
 
     def _destination(self, param: nn.Parameter, key: str | None,
