@@ -68,7 +68,7 @@ def deepspeed_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any
 
     DeepSpeed's checkpoint is reentrant (the gradient flows only if an input tensor
     requires grad, as a block's hidden state does) and returns a bare tensor where the
-    function returned a 1-tuple (DESIGN.md lesson 9); the 1-tuple is restored here, and a
+    function returned a 1-tuple (docs/design.md, pitfall 9); the 1-tuple is restored here, and a
     call whose inputs need no gradient (positional or keyword) is not checkpointed.
     """
     import deepspeed
