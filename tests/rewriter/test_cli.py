@@ -148,17 +148,16 @@ def test_verbose_lists_every_site(model: Path, capsys: pytest.CaptureFixture[str
     assert f"{model}:21:17: wrapped block(...) in Net.forward" in capsys.readouterr().err
 
 
-def test_help_is_fast_and_imports_no_torch() -> None:
+def test_help_imports_neither_torch_nor_libcst() -> None:
+    """`annot rewrite --help` stays light: what makes it slow (torch, libcst) is not
+    imported (counted by module, not timed)."""
     code = (
-        "import sys, time; t = time.perf_counter()\n"
+        "import sys\n"
         "from annot.rewriter.cli import main\n"
         "assert main(['--help']) == 0\n"
         "assert 'torch' not in sys.modules and 'libcst' not in sys.modules, sorted(sys.modules)\n"
-        "print(time.perf_counter() - t, file=sys.stderr)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          check=True)
-    assert float(proc.stderr.strip().splitlines()[-1]) < 0.5
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
 
 
 def test_annot_console_script_help() -> None:
