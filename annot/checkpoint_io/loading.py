@@ -20,7 +20,6 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 import torch
 from torch import nn

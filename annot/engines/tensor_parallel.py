@@ -137,9 +137,9 @@ def check_tensor_parallel(model: nn.Module, source: TPSource, tp: int) -> Tensor
         config = getattr(module, "config", None)
         if config is not None and re.search(r"Attention|Attn", type(module).__name__):
             for name in ("num_attention_heads", "num_key_value_heads"):
-                value = getattr(config, name, None)
-                if isinstance(value, int) and value % tp:
-                    problems.append(f"{parent} ({type(module).__name__}): config.{name}={value} "
+                heads = getattr(config, name, None)
+                if isinstance(heads, int) and heads % tp:
+                    problems.append(f"{parent} ({type(module).__name__}): config.{name}={heads} "
                                     f"is not divisible by tp={tp}")
     if problems:
         shown = list(dict.fromkeys(problems))  # layers repeat: say each thing once

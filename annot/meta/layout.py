@@ -69,9 +69,11 @@ def dtensor_block(tensor: torch.Tensor) -> Block | None:
         if not isinstance(placement, (Shard, _StridedShard)):
             raise ValueError(f"placement {placement} keeps no block of the full tensor")
         dim = placement.dim
-        shape[dim], offsets[dim] = _get_shard_size_and_offsets(
+        size, index = _get_shard_size_and_offsets(
             shape[dim], mesh.size(mesh_dim), coordinate[mesh_dim], placement, offsets.get(dim),
             full[dim], False)
+        assert index is not None  # offsets are asked for (skip_offset=False)
+        shape[dim], offsets[dim] = size, index
     start = [0] * len(full)
     for dim, index in offsets.items():
         first = int(index[0]) if shape[dim] else 0
