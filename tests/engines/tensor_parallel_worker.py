@@ -13,7 +13,8 @@ Scenarios (`tests.engines.tensor_parallel_cases`), for NAME in ``llama``, ``gpt`
   every parameter whole and this rank's own block, against the eager build;
 - ``load:NAME``: the same meta build, then ``annot.load`` of SCRATCH/NAME-weights (a
   different seed's weights, saved by the test): values against that model and the bytes
-  this rank read against the bytes it keeps.
+  this rank read against the bytes it keeps;
+- ``pretrained:llama``: ``annot.from_pretrained`` of the same weights with the mesh.
 """
 
 from __future__ import annotations
@@ -125,7 +126,16 @@ def load(name: str, scratch: Path) -> dict:
             "read_and_kept": read, "names": sorted(expected)}
 
 
-SCENARIOS = {"train": train, "meta": meta, "load": load}
+def pretrained(name: str, scratch: Path) -> dict:
+    """``annot.from_pretrained`` (Llama only): built on meta, split, sharded, then read."""
+    expected = {n: p.detach().clone() for n, p in build(name, seed=1).named_parameters()}
+    model = annot.from_pretrained(scratch / f"{name}-weights", "fsdp2", mesh=mesh())
+    mismatched = [n for n, p in model.named_parameters() if not torch.equal(full(p), expected[n])]
+    return {"mismatched": mismatched, "own_blocks_wrong": own_blocks(model, expected),
+            "names": sorted(expected)}
+
+
+SCENARIOS = {"train": train, "meta": meta, "load": load, "pretrained": pretrained}
 
 
 def run(scratch: str, *names: str) -> dict[str, dict]:

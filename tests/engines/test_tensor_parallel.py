@@ -39,6 +39,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     annot.save(build("gpt", seed=1), scratch / "gpt-weights")
     out = scratch / "results.pt"
     names = [f"{kind}:{model}" for model in MODELS for kind in ("train", "meta", "load")]
+    names.append("pretrained:llama")
     torchrun(WORKER, str(out), str(scratch), *names, nproc=WORLD, timeout=LAUNCH_TIMEOUT_S)
     return torch.load(out, weights_only=False)
 
@@ -98,6 +99,13 @@ def test_sharded_load_reads_only_own_block(results, name):
     assert got["names"] and got["mismatched"] == [] and got["own_blocks_wrong"] == []
     for read, kept in got["read_and_kept"]:
         assert read == kept, got["read_and_kept"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_from_pretrained_reads_into_the_split_layout(results):
+    got = results["pretrained:llama"]
+    assert got["names"] and got["mismatched"] == [] and got["own_blocks_wrong"] == []
 
 
 @pytest.mark.distributed
