@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("huggingface detection", ("annot.huggingface",)),
     ("runtime, meta", ("annot.runtime", "annot.meta")),
     ("checkpoint_io", ("annot.checkpoint_io",)),
-    ("engines", ("annot.engines",)),
+    ("engines", ("annot.engines", "annot.engines.tensor_parallel")),
     ("wrap, values", ("annot.wrap", "annot.values", "annot.training_state")),
     ("huggingface.pretrained", ("annot.huggingface.pretrained",)),
     ("trainer integrations", ("annot.lightning", "annot.accelerate")),

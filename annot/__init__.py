@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         marked,
         no_split_modules,
         repeated_blocks,
+        tp_rule,
     )
     from annot.policies.errors import AnnotError, PlanError
     from annot.training_state import latest_state, load_state, save_state
@@ -62,6 +63,7 @@ _EXPORTS = {
     "marked": "annot.policies",
     "no_split_modules": "annot.policies",
     "repeated_blocks": "annot.policies",
+    "tp_rule": "annot.policies",
     "checkpoint_block": "annot.markers",
     "get_mark": "annot.markers",
     "mark": "annot.markers",
@@ -147,6 +149,7 @@ __all__ = [
     "save",
     "save_state",
     "shard_block",
+    "tp_rule",
     "unmark",
 ]
 assert set(__all__) == set(_EXPORTS), "keep __all__ and _EXPORTS in step"

@@ -22,6 +22,7 @@ from annot.policies.rules import (
     no_split_modules,
     repeated_blocks,
 )
+from annot.policies.tensor_parallel import TensorParallelRule, tp_rule
 
 __all__ = [
     "Action",
@@ -33,6 +34,7 @@ __all__ = [
     "Policy",
     "RootInfo",
     "Rule",
+    "TensorParallelRule",
     "Unit",
     "by_class",
     "by_name",
@@ -44,4 +46,5 @@ __all__ = [
     "no_split_modules",
     "parse_rule",
     "repeated_blocks",
+    "tp_rule",
 ]

@@ -20,7 +20,6 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 import torch
 from torch import nn
@@ -32,7 +31,7 @@ from annot.errors import CheckpointError
 from annot.huggingface.keys import checkpoint_renamer, peft_renamer
 from annot.huggingface.model import is_peft_model, is_pretrained_model
 from annot.meta.deferred import deferred_init_of
-from annot.meta.layout import WHOLE, FlatPart, ShardLayout, local
+from annot.meta.layout import WHOLE, Block, FlatPart, ShardLayout, dtensor_block, local
 from annot.meta.materialization import materialize
 
 __all__ = ["CheckpointError", "LoadReport", "check_keys", "load", "load_logged", "state_names"]
@@ -287,20 +286,12 @@ def _allocate(model: nn.Module, device: torch.device | str | None, skip: set[str
         "there (or materialize it) before loading")
 
 
-def _rows(target: torch.Tensor) -> tuple[int, int] | None:
-    """The dim-0 rows of the full tensor that this rank holds; None for a plain tensor."""
-    if not hasattr(target, "device_mesh"):
-        return None
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    target = cast(DTensor, target)  # what has a device_mesh; the import stays lazy
-
-    if any(not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and p.dim != 0)
-           for p in target.placements):
-        raise CheckpointError(f"loading supports dim-0 sharding (FSDP2), not {target.placements}")
-    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-    return offset[0] if shape[0] else 0, (offset[0] + shape[0]) if shape[0] else 0
+def _block(target: torch.Tensor) -> Block | None:
+    """The block of the full tensor this rank holds; ``None`` for a plain tensor."""
+    try:
+        return dtensor_block(target)
+    except ValueError as exc:
+        raise CheckpointError(f"cannot load into this rank's part: {exc}") from None
 
 
 def _key_renamer(model: nn.Module) -> Callable[[str], str] | None:
@@ -344,7 +335,7 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]], match: _Ma
                     loaded += 1
                     progress.advance()
                     continue
-                read += _fill_tensor(handle, source, [local(names[name]) for name in group], _rows(target))
+                read += _fill_tensor(handle, source, [local(names[name]) for name in group], _block(target))
                 loaded += 1
                 progress.advance()
     return loaded, read
@@ -358,15 +349,22 @@ def _direct(handle: SafetensorsFile, source: str, destination: torch.Tensor) -> 
 
 
 def _fill_tensor(handle: SafetensorsFile, source: str, targets: list[torch.Tensor],
-                 rows: tuple[int, int] | None) -> int:
-    """Fill ``targets`` (one tensor, or tied names' distinct copies) with rows ``rows`` of
-    ``source`` (all rows when ``None``); returns the bytes read."""
+                 block: Block | None) -> int:
+    """Fill ``targets`` (one tensor, or tied names' distinct copies) with ``block`` of
+    ``source`` (all of it when ``None``); returns the bytes read."""
     first = targets[0]
     if not first.numel():
         return 0
-    if _direct(handle, source, first):
+    full_shape = handle.shape(source)
+    rows = None if block is None or not full_shape else (block.start[0], block.start[0] + block.shape[0])
+    if block is not None and full_shape and not block.rows_only(full_shape):
+        # Columns too (a row-wise tensor-parallel shard): only the block's bytes are read.
+        value = handle.read_block(source, block.start, block.shape)
+        read = value.numel() * value.element_size()
+        first.copy_(value)
+    elif _direct(handle, source, first):
         start = rows[0] if rows is not None else 0
-        read = handle.read_into(source, first, start * math.prod(handle.shape(source)[1:]))
+        read = handle.read_into(source, first, start * math.prod(full_shape[1:]))
         value = first
     else:  # another dtype (converted here) or a layout that needs a copy
         value = handle.read(source, *rows) if rows is not None else handle.read(source)

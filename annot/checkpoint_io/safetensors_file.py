@@ -11,12 +11,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
 import struct
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -244,16 +245,49 @@ class SafetensorsFile:
         return len(view)
 
     def _pread(self, name: str, offset: int, view: memoryview) -> None:
-        done = 0
         try:
             with open(self.path, "rb", buffering=0) as f:
-                while done < len(view):
-                    got = os.preadv(f.fileno(), [view[done:]], offset + done)
-                    if got == 0:  # the file shrank after its header was checked
-                        raise CheckpointError(f"{self.path}: {name}: the file ends before its data")
-                    done += got
+                self._pread_all(f.fileno(), name, offset, view)
         except OSError as exc:
             raise CheckpointError(f"{self.path}: {name}: cannot read ({exc.strerror or exc})") from None
+
+    def _pread_all(self, fd: int, name: str, offset: int, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:  # the file shrank after its header was checked
+                raise CheckpointError(f"{self.path}: {name}: the file ends before its data")
+            done += got
+
+    def read_block(self, name: str, start: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+        """Indices ``start[d]:start[d] + shape[d]`` in every dimension, in the file's dtype,
+        reading only their bytes: one positioned read per contiguous run (a row of a
+        column block), all through one open file."""
+        entry = self.entries[name]
+        full = entry.shape
+        if len(start) != len(full) or len(shape) != len(full) or any(
+                b < 0 or n < 0 or b + n > f for b, n, f in zip(start, shape, full, strict=True)):
+            raise ValueError(f"{name}: block at {tuple(start)} of shape {tuple(shape)} is not "
+                             f"inside its shape {full}")
+        itemsize = entry.dtype.itemsize
+        out = torch.empty(math.prod(shape) * itemsize, dtype=torch.uint8)
+        if not out.numel():
+            return out.view(entry.dtype).reshape(tuple(shape))
+        # The innermost narrowed dimension ends each contiguous run.
+        last = max((d for d in range(len(full)) if shape[d] != full[d]), default=0)
+        strides = [math.prod(full[d + 1:]) for d in range(len(full))]
+        run = shape[last] * strides[last] * itemsize
+        buffer = out.numpy().data.cast("B")
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                for i, outer in enumerate(itertools.product(
+                        *(range(s, s + n) for s, n in zip(start[:last], shape[:last], strict=True)))):
+                    element = sum(o * strides[d] for d, o in enumerate(outer)) + start[last] * strides[last]
+                    self._pread_all(f.fileno(), name, self.data_start + entry.begin + element * itemsize,
+                                    buffer[i * run:(i + 1) * run])
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: {name}: cannot read ({exc.strerror or exc})") from None
+        return out.view(entry.dtype).reshape(tuple(shape))
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Rows ``start:stop`` along dim 0 (all of it by default), in the file's dtype."""

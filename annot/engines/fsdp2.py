@@ -1,6 +1,9 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) driven by a Plan.
 
 The order of steps, as torchtitan's parallelize code does it:
+0. tensor parallelism on the mesh's ``"tp"`` dimension when it has one
+   (`annot.engines.tensor_parallel`): the split modules' parameters become DTensors
+   that ``fully_shard`` then shards further over the other dimensions;
 1. activation checkpointing inside each unit (it must sit inside the shard unit, so the
    recomputation runs while the unit's parameters are gathered for backward), and the
    activation offload hooks (`annot.runtime.activation_offload`), which leave parameters alone;
@@ -9,6 +12,8 @@ The order of steps, as torchtitan's parallelize code does it:
    a tied group's modules go into one call so the shared parameter has one owner;
 3. ``fully_shard`` on the root last: it takes what no unit holds (embeddings, final
    norm, head) and becomes the module whose forward starts each iteration.
+Steps 0 and 1 are `FSDP2.prepare`, 2 and 3 `FSDP2.wrap` (`apply_fsdp2`), which
+`auto_wrap` runs in that order; 2 and 3 shard over the data-parallel dimensions only.
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ from annot.engines.base import (
     resolve_dtype,
     resolve_torch_offload,
 )
+from annot.engines.tensor_parallel import (
+    TP_DIM,
+    TPSource,
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    split_mesh,
+)
 from annot.policies import Action, Plan, Unit
 
 __all__ = [
@@ -63,7 +75,14 @@ class FSDP2Options:
             (compute in it, reduce gradients in fp32), or a ``MixedPrecisionPolicy``.
         mesh: the device mesh to shard over; default a 1-D mesh over all ranks. A mesh
             that does not cover the world is refused unless the model's parameters are
-            already DTensors over the rest (tensor parallelism).
+            already DTensors over the rest (tensor parallelism). A dimension named
+            ``"tp"`` (the last one) is tensor parallel: ``tp_plan`` is applied on it first,
+            then FSDP2 shards over the other dimensions (``"shard"``, or ``"replicate"``
+            and ``"shard"``: HSDP).
+        tp_plan: what tensor parallelism splits: ``None`` the model's own plan (a
+            transformers model's ``_tp_plan``), `annot.tp_rule` (Linear layers by name),
+            or a mapping of module patterns to styles (transformers' form). Only with a
+            mesh that has a ``"tp"`` dimension.
     """
 
     reshard_after_forward: bool = True
@@ -71,10 +90,16 @@ class FSDP2Options:
     offload_activations: bool = False
     mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None
     mesh: DeviceMesh | None = None
+    tp_plan: TPSource = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload", resolve_torch_offload(self.offload, "fsdp2"))
         object.__setattr__(self, "mixed_precision", resolve_dtype(self.mixed_precision))
+        if self.tp_plan is not None and (
+                self.mesh is None or TP_DIM not in (self.mesh.mesh_dim_names or ())):
+            raise ValueError(
+                f"fsdp2: tp_plan= needs mesh= with a '{TP_DIM}' dimension to split over, e.g. "
+                f"init_device_mesh(device, (dp, tp), mesh_dim_names=('shard', '{TP_DIM}'))")
 
 
 class FSDP2(Engine[FSDP2Options]):
@@ -96,9 +121,16 @@ class FSDP2(Engine[FSDP2Options]):
         refuse_mixed_dtypes(plan, self.name)
         if options.mesh is not None:
             refuse_unsynchronised_mesh(model, options.mesh)
+            _, tp_mesh = split_mesh(options.mesh)
+            if tp_mesh is not None:
+                check_tensor_parallel(model, options.tp_plan, tp_mesh.size())
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: FSDP2Options,
                 checkpoint_paths: Sequence[str]) -> None:
+        tp_mesh = split_mesh(options.mesh)[1] if options.mesh is not None else None
+        if tp_mesh is not None:  # before checkpointing and sharding (torchtitan's order)
+            plan = check_tensor_parallel(model, options.tp_plan, tp_mesh.size())
+            apply_tensor_parallel(model, plan, tp_mesh)
         # The Plan's offload marks mean parameter offload here; activation offload is asked
         # for explicitly.
         checkpoint_and_offload_activations(model, request.plan, checkpoint_paths,
@@ -188,7 +220,8 @@ def apply_fsdp2(
     forward (ZeRO-3-like), ``False`` keeps them until backward (ZeRO-2-like). The root is
     left to FSDP2, which does not reshard it: backward needs it at once.
     """
-    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
+    # A "tp" dimension was applied in `FSDP2.prepare`; FSDP2 shards over the rest.
+    mesh = split_mesh(mesh)[0] if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     mp_policy = mixed_precision_policy(mixed_precision)
 
     for unit in plan.units:

@@ -15,12 +15,73 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-__all__ = ["FlatPart", "ShardLayout", "WHOLE", "local"]
+__all__ = ["Block", "FlatPart", "ShardLayout", "WHOLE", "dtensor_block", "local"]
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: a DTensor's local shard, any other tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """The part of a full tensor a rank keeps: indices ``start[d]`` to
+    ``start[d] + shape[d]`` in every dimension ``d``."""
+
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(s, s + n) for s, n in zip(self.start, self.shape, strict=True))
+
+    def rows_only(self, full_shape: tuple[int, ...]) -> bool:
+        """Whether only dimension 0 is narrowed (the block is a run of whole rows)."""
+        return tuple(self.shape[1:]) == tuple(full_shape[1:])
+
+
+def dtensor_block(tensor: torch.Tensor) -> Block | None:
+    """Where this rank's local part of a DTensor lies in the full tensor; ``None`` for any
+    other tensor.
+
+    Placements are applied mesh dimension by mesh dimension, as torch does, so a
+    tensor-parallel shard that FSDP2 shards again (``_StridedShard`` on the data-parallel
+    dimension, ``Shard`` on ``"tp"``) gives this rank's exact rows and columns. Raises
+    ``ValueError`` for a placement that is not a shard or a replica, or a part that is
+    not one rectangular block (strided rows a rank keeps in pieces).
+    """
+    if not hasattr(tensor, "device_mesh"):
+        return None
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    assert isinstance(tensor, DTensor)  # what has a device_mesh; the import stays lazy
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError("this rank is not in the tensor's device mesh")
+    full = tuple(tensor.shape)
+    shape = list(full)
+    offsets: dict[int, torch.Tensor] = {}
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, (Shard, _StridedShard)):
+            raise ValueError(f"placement {placement} keeps no block of the full tensor")
+        dim = placement.dim
+        size, index = _get_shard_size_and_offsets(
+            shape[dim], mesh.size(mesh_dim), coordinate[mesh_dim], placement, offsets.get(dim),
+            full[dim], False)
+        assert index is not None  # offsets are asked for (skip_offset=False)
+        shape[dim], offsets[dim] = size, index
+    start = [0] * len(full)
+    for dim, index in offsets.items():
+        first = int(index[0]) if shape[dim] else 0
+        if shape[dim] and not torch.equal(index, torch.arange(first, first + shape[dim])):
+            raise ValueError(f"placements {tensor.placements} give this rank rows {index.tolist()} "
+                             f"of dimension {dim}: not one block")
+        start[dim] = first
+    return Block(tuple(start), tuple(shape))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from annot.meta.deferred import (
     Ref,
     deferred_init_of,
 )
-from annot.meta.layout import WHOLE, FlatPart, ShardLayout, local
+from annot.meta.layout import WHOLE, FlatPart, ShardLayout, dtensor_block, local
 from annot.module_state import module_state, peek_state
 
 __all__ = ["ReplayStats", "materialize", "replay_stats"]
@@ -155,14 +155,11 @@ def _fill(target: torch.Tensor, full: torch.Tensor, parts: list[FlatPart] | None
             for part in parts:
                 if part.stop > part.start:
                     part.destination[:part.stop - part.start].copy_(flat[part.start:part.stop])
-        elif hasattr(target, "device_mesh"):
-            from torch.distributed.tensor import DTensor, distribute_tensor
-
-            target = cast(DTensor, target)  # what has a device_mesh; the import stays lazy
-            # src_data_rank=None: every rank holds the same full value and slices it
-            # locally, no communication.
-            piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-            target.to_local().copy_(piece.to_local())
+        elif (block := dtensor_block(target)) is not None:
+            # Every rank holds the same full value and copies out its own block (rows of
+            # an FSDP2 shard; rows and columns of a tensor-parallel shard FSDP2 shards
+            # again): no communication.
+            local(target).copy_(full[block.slices()])
         else:
             target.copy_(full)
 
