@@ -45,6 +45,9 @@ class Strategy:
         from annot.memory.communication import Layout
 
         sizes = dict(self.mesh)
+        hpz = int(self.option("hpz_partition_size", 1))
+        if hpz > 1:  # ZeRO-3 partitions over every rank, its hpZ copy over groups of hpz
+            return Layout(replicate=world // hpz, shard=hpz)
         if not sizes:
             return Layout(shard=world)
         return Layout(replicate=sizes.get("replicate", 1), shard=sizes.get("shard", 1),
