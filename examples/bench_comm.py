@@ -118,7 +118,11 @@ def simulate(layout_name: str, layers: int) -> dict[tuple[str, str], int]:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import LlamaForCausalLM
 

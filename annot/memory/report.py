@@ -193,7 +193,8 @@ class MemoryReport:
                 f"network: {n.intra_node_bw / 1e9:g} GB/s per GPU inside a node, "
                 f"{n.inter_node_bw / 1e9:g} GB/s per node across nodes, {n.flops / 1e12:g} TFLOP/s "
                 "per GPU; bytes each GPU sends per step (ring collectives); step = max(compute, "
-                "comm) if collectives overlap compute, serial = compute + comm")
+                "comm) if collectives overlap compute, serial = compute + comm; a TP row's "
+                "tensor-parallel group shares one micro-batch")
         for row in [header, *rows]:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
         lines.append(f"recommendation: {self.reason}")
