@@ -182,16 +182,18 @@ def _run_plan(args: argparse.Namespace) -> int:
     from annot.memory import MARGIN, RESERVE, estimate_memory
     from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, TFLOPS
 
-    network = {name: default if getattr(args, name) is None else getattr(args, name)
-               for name, default in (("intra_node_bw", INTRA_NODE_BW),
-                                     ("inter_node_bw", INTER_NODE_BW), ("tflops", TFLOPS))}
+    def given(value: float | None, default: float) -> float:
+        return default if value is None else value
+
     try:
         report = estimate_memory(
             model, plan, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=args.seq,
             precision=args.precision, optimizer=args.optimizer,
             gpu_mem=gpu_mem, host_mem=host_mem,
             margin=MARGIN if args.margin is None else args.margin,
-            reserve=RESERVE if reserve is None else reserve, **network,
+            reserve=RESERVE if reserve is None else reserve,
+            intra_node_bw=given(args.intra_node_bw, INTRA_NODE_BW),
+            inter_node_bw=given(args.inter_node_bw, INTER_NODE_BW), tflops=given(args.tflops, TFLOPS),
         )
     except AnnotError as exc:
         print(f"annot plan: error: {exc}", file=sys.stderr)

@@ -77,7 +77,7 @@ from typing import Any
 
 from torch import nn
 
-from annot.memory.strategies import MemoryInputError
+from annot.memory.strategies import MemoryInputError, Strategy
 
 __all__ = [
     "INTER_NODE_BW",
@@ -94,6 +94,7 @@ __all__ = [
     "ring_bytes",
     "step_collectives",
     "step_communication",
+    "strategy_layout",
     "tp_styles",
 ]
 
@@ -173,6 +174,20 @@ class Layout:
         ranks, stride = self.group(dim)
         nodes = len({i * stride // gpus_per_node for i in range(ranks)})
         return ranks // nodes, nodes
+
+
+def strategy_layout(strategy: Strategy, world: int) -> Layout:
+    """The layout ``strategy`` runs on ``world`` ranks: its mesh's dimensions, the hpZ
+    groups of ``hpz_partition_size`` consecutive ranks (ZeRO-3 still partitions over
+    every rank), else one dimension over every rank."""
+    sizes = dict(strategy.mesh)
+    hpz = int(strategy.option("hpz_partition_size", 1))
+    if hpz > 1:
+        return Layout(replicate=world // hpz, shard=hpz)
+    if not sizes:
+        return Layout(shard=world)
+    return Layout(replicate=sizes.get("replicate", 1), shard=sizes.get("shard", 1),
+                  tp=sizes.get("tp", 1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ from annot.memory.communication import (
     param_records,
     step_collectives,
     step_communication,
+    strategy_layout,
     tp_styles,
 )
 from annot.memory.engine_memory import (
@@ -245,7 +246,7 @@ def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, pla
     interiors shrink too); hpZ adds its secondary partition, the parameters over the
     ``hpz_partition_size`` ranks of a node.
     """
-    layout = strategy.layout(world)
+    layout = strategy_layout(strategy, world)
     zero = None
     hpz = int(strategy.option("hpz_partition_size", 1))
     if strategy.engine == "deepspeed":
@@ -292,7 +293,7 @@ def step_time(strategy: Strategy, trace: StepTrace, plan: Plan, model: nn.Module
     (`StepTime`, `annot.memory.communication`)."""
     from annot.engines.deepspeed_config import PERSISTENCE_THRESHOLD
 
-    layout = strategy.layout(network.world)
+    layout = strategy_layout(strategy, network.world)
     b = _bytes(precision, strategy.engine, optimizer)
     dtypes = Dtypes(gather=b["compute"], reduce=b["reduce"] if strategy.engine in ("fsdp1", "fsdp2")
                     else b["grad"], activation=4 if precision == "fp32" else 2)

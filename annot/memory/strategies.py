@@ -40,19 +40,6 @@ class Strategy:
     #: ``tp`` tensor parallelism under FSDP2. Empty: one dimension over every rank.
     mesh: tuple[tuple[str, int], ...] = ()
 
-    def layout(self, world: int) -> Any:
-        """The `annot.memory.communication.Layout` of this strategy on ``world`` ranks."""
-        from annot.memory.communication import Layout
-
-        sizes = dict(self.mesh)
-        hpz = int(self.option("hpz_partition_size", 1))
-        if hpz > 1:  # ZeRO-3 partitions over every rank, its hpZ copy over groups of hpz
-            return Layout(replicate=world // hpz, shard=hpz)
-        if not sizes:
-            return Layout(shard=world)
-        return Layout(replicate=sizes.get("replicate", 1), shard=sizes.get("shard", 1),
-                      tp=sizes.get("tp", 1))
-
     def option(self, name: str, default: Any = None) -> Any:
         return dict(self.options).get(name, default)
 
