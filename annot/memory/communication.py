@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from torch import nn
@@ -350,18 +350,17 @@ def _by_unit(records: Iterable[ParamRecord]) -> dict[int, list[ParamRecord]]:
     return units
 
 
-def _fsdp2(records: tuple[ParamRecord, ...], layout: Layout, dt: Dtypes, reshard: bool,
-           styles: Mapping[str, str]) -> list[Collective]:
+def _fsdp(records: tuple[ParamRecord, ...], layout: Layout, dt: Dtypes, reshard: bool,
+          shards: Callable[[list[ParamRecord]], tuple[int, int]]) -> list[Collective]:
+    """FSDP's collectives (FSDP2 and FSDP1 alike): ``shards`` gives a unit's elements per
+    rank, gathered and reduced (padding included)."""
     n = layout.shard
     fwd = bwd = rs = ar = 0
     for unit, params in _by_unit(records).items():
-        shards = [(_dim0_padded(_local_shape(r, styles.get(r.module), layout.tp), n), r.trainable)
-                  for r in params]
-        gathered = n * sum(s for s, _ in shards) * dt.gather
-        fwd += gathered
-        if reshard and unit >= 0:  # FSDP2 does not reshard the root after forward
-            bwd += gathered
-        grads = sum(s for s, trains in shards if trains)
+        shard, grads = shards(params)
+        fwd += n * shard * dt.gather
+        if reshard and unit >= 0:  # neither FSDP reshards the root after forward
+            bwd += n * shard * dt.gather
         rs += n * grads * dt.reduce
         ar += grads * dt.reduce
     found = [Collective("all-gather", "parameters, forward", "shard", n, fwd),
@@ -372,23 +371,23 @@ def _fsdp2(records: tuple[ParamRecord, ...], layout: Layout, dt: Dtypes, reshard
     return found
 
 
-def _fsdp1(records: tuple[ParamRecord, ...], layout: Layout, dt: Dtypes, reshard: bool) -> list[Collective]:
-    n = layout.shard
-    fwd = bwd = rs = ar = 0
-    for unit, params in _by_unit(records).items():
-        flat = -(-sum(r.numel for r in params) // n) * n  # one flat parameter, padded to n
-        fwd += flat * dt.gather
-        if reshard and unit >= 0:
-            bwd += flat * dt.gather
-        if any(r.trainable for r in params):
-            rs += flat * dt.reduce
-            ar += flat // n * dt.reduce
-    found = [Collective("all-gather", "parameters, forward", "shard", n, fwd),
-             Collective("all-gather", "parameters, backward", "shard", n, bwd),
-             Collective("reduce-scatter", "gradients", "shard", n, rs)]
-    if layout.replicate > 1:
-        found.append(Collective("all-reduce", "gradient shards", "replicate", layout.replicate, ar))
-    return found
+def _fsdp2_shards(layout: Layout, styles: Mapping[str, str]) -> Callable[[list[ParamRecord]], tuple[int, int]]:
+    """FSDP2: each parameter (its tensor-parallel piece) sharded on dim 0, padded to
+    ``ceil(dim0/n)`` rows; only parameters that train are reduced."""
+    def shards(params: list[ParamRecord]) -> tuple[int, int]:
+        sizes = [(_dim0_padded(_local_shape(r, styles.get(r.module), layout.tp), layout.shard), r.trainable)
+                 for r in params]
+        return sum(s for s, _ in sizes), sum(s for s, trains in sizes if trains)
+    return shards
+
+
+def _fsdp1_shards(layout: Layout) -> Callable[[list[ParamRecord]], tuple[int, int]]:
+    """FSDP1: one flat parameter per unit padded to a multiple of ``n``, its whole
+    gradient reduced when anything in it trains."""
+    def shards(params: list[ParamRecord]) -> tuple[int, int]:
+        shard = -(-sum(r.numel for r in params) // layout.shard)
+        return shard, shard if any(r.trainable for r in params) else 0
+    return shards
 
 
 def _zero(records: tuple[ParamRecord, ...], layout: Layout, dt: Dtypes, stage: int,
@@ -462,9 +461,9 @@ def step_collectives(engine: str, *, stage: int, records: tuple[ParamRecord, ...
         grads = sum(r.numel for r in records if r.trainable)
         found = [Collective("all-reduce", "gradients", "world", layout.world, grads * dtypes.reduce)]
     elif engine == "fsdp2":
-        found = _fsdp2(records, layout, dtypes, stage == 3, styles)
+        found = _fsdp(records, layout, dtypes, stage == 3, _fsdp2_shards(layout, styles))
     elif engine == "fsdp1":
-        found = _fsdp1(records, layout, dtypes, stage == 3)
+        found = _fsdp(records, layout, dtypes, stage == 3, _fsdp1_shards(layout))
     elif engine == "deepspeed":
         found = _zero(records, layout, dtypes, stage, persistence_threshold, hpz)
     else:
