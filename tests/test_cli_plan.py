@@ -190,3 +190,28 @@ def test_plan_memory_bad_size_is_one_line(capsys):
     code, out, err = run(capsys, "plan", GPT, "--memory", "--gpu-mem", "lots")
     assert code == 2 and out == ""
     assert err == "annot plan: error: --gpu-mem: not a size: 'lots' (try 80GiB, 40G or 8e10)\n"
+
+
+@pytest.mark.parametrize("flag,value", [("--inter-node-bw", "0"), ("--intra-node-bw", "-3"),
+                                        ("--tflops", "nan"), ("--inter-node-bw", "inf")])
+def test_plan_memory_bad_network_is_one_line(capsys, flag, value):
+    code, out, err = run(capsys, "plan", GPT, "--memory", flag, value)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and f"{flag} must be a positive number" in err
+
+
+def test_plan_memory_network_flag_not_a_number_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", GPT, "--memory", "--inter-node-bw", "fast"])
+    assert info.value.code == 2
+    assert "--inter-node-bw: invalid float value: 'fast'" in capsys.readouterr().err
+
+
+def test_plan_memory_on_two_nodes_prints_traffic_and_step_time(capsys):
+    code, out, _ = run(capsys, "plan", GPT, "--kwargs", '{"n_layer": 2, "n_embd": 64, "n_head": 4}',
+                       "--memory", "--gpus-per-node", "4", "--nodes", "2", "--batch", "1", "--seq", "32",
+                       "--gpu-mem", "80GiB", "--host-mem", "64GiB", "--inter-node-bw", "1", "--tflops", "100")
+    assert code == 0
+    assert "1 GB/s per node across nodes, 100 TFLOP/s per GPU" in out
+    assert "across nodes" in out and "FSDP2 HSDP (2 x 4)" in out and "TP 4 x FSDP2 2" in out
+    assert "the inter-node link binds" in out

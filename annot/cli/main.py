@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -57,7 +58,8 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     memory = p.add_argument_group("memory (--memory)")
     memory.add_argument("--memory", action="store_true",
                         help="estimate per-GPU memory of every strategy and recommend one")
-    memory.add_argument("--gpus", type=int, default=1, help="GPUs per node (default: 1)")
+    memory.add_argument("--gpus", "--gpus-per-node", dest="gpus", type=int, default=1,
+                        help="GPUs per node (default: 1)")
     memory.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
     memory.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (default: 1)")
     memory.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
@@ -82,6 +84,15 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
                         help="strategies for --fit, comma-separated (default: ddp,zero3,zero3-offload)")
     memory.add_argument("--reserve", metavar="SIZE",
                         help="bytes per GPU no count sees (CUDA context, NCCL; default: 1GiB)")
+    memory.add_argument("--intra-node-bw", metavar="GB/S", type=float, default=None,
+                        help="bandwidth each GPU sends at inside its node, GB/s (default: 150, "
+                             "NVLink-class)")
+    memory.add_argument("--inter-node-bw", metavar="GB/S", type=float, default=None,
+                        help="bandwidth each node sends at to the others, all its NICs together, "
+                             "GB/s (default: 25, one 200 Gb/s NIC; 1 for a 1000 MB/s link)")
+    memory.add_argument("--tflops", type=float, default=None,
+                        help="sustained TFLOP/s per GPU for the step time (default: 150, an A100 "
+                             "at about half its bf16 peak)")
     p.add_argument("--full", action="store_true",
                    help="one table row per unit (default: runs of identical blocks share a row)")
 
@@ -130,6 +141,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         for option in ("batch", "seq"):
             if getattr(args, option) is not None and getattr(args, option) < 1:
                 raise ValueError(f"--{option} must be at least 1, got {getattr(args, option)}")
+        for option in ("intra_node_bw", "inter_node_bw", "tflops"):
+            value = getattr(args, option)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{option.replace('_', '-')} must be a positive number, got {value}")
         gpu_mem = _size(args.gpu_mem, "--gpu-mem")
         host_mem = _size(args.host_mem, "--host-mem")
         reserve = _size(args.reserve, "--reserve")
@@ -165,6 +180,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.fit:
         return _run_fit(args, model, options, plan_of, gpu_mem, host_mem, reserve)
     from annot.memory import MARGIN, RESERVE, estimate_memory
+    from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, TFLOPS
+
+    def given(value: float | None, default: float) -> float:
+        return default if value is None else value
 
     try:
         report = estimate_memory(
@@ -173,6 +192,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             gpu_mem=gpu_mem, host_mem=host_mem,
             margin=MARGIN if args.margin is None else args.margin,
             reserve=RESERVE if reserve is None else reserve,
+            intra_node_bw=given(args.intra_node_bw, INTRA_NODE_BW),
+            inter_node_bw=given(args.inter_node_bw, INTER_NODE_BW), tflops=given(args.tflops, TFLOPS),
         )
     except AnnotError as exc:
         print(f"annot plan: error: {exc}", file=sys.stderr)

@@ -202,6 +202,9 @@ class StepTrace:
     #: or ``"backward"``; what an engine gathers depends on the unit and phase
     #: (`annot.memory.engine_memory`).
     segments: tuple[tuple[str, int, int, int], ...] = ()
+    #: Floating-point operations of the traced step (forward, loss, backward, and the
+    #: recomputation of checkpointed units; `annot.memory.counting.FlopCount`).
+    flops: int = 0
 
 
 def trace_step(
@@ -226,7 +229,7 @@ def trace_step(
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from annot.memory.counting import LiveBytes
+    from annot.memory.counting import FlopCount, LiveBytes
     from annot.runtime.activation_checkpoint import apply_checkpointing
 
     paths = plan.paths(Action.CHECKPOINT) if plan is not None and checkpoint else []
@@ -300,8 +303,9 @@ def trace_step(
             handles.append(model.get_submodule(path).register_forward_hook(post))
     modes = {m: m.training for m in model.modules()}
     model.train()
+    flop_counter = FlopCount()
     try:
-        with fake_mode, counter:
+        with fake_mode, counter, flop_counter:
             args, kwargs = (inputs or default_inputs)(model, batch, seq)
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
                 out = model(*args, **kwargs)
@@ -317,7 +321,8 @@ def trace_step(
             module.training = training
     return StepTrace(batch=batch, seq=seq, checkpoint=bool(paths), peak=peaks["act"],
                      peak_with_grads=peaks["all"], grads=peaks["grads"],
-                     segments=tuple((ph, u, top, end) for ph, u, top, end in segments))
+                     segments=tuple((ph, u, top, end) for ph, u, top, end in segments),
+                     flops=flop_counter.total)
 
 
 def _loss_of(out: Any) -> torch.Tensor:

@@ -17,13 +17,41 @@ from annot.memory.activations import (
     trace_activations,
     trace_step,
 )
-from annot.memory.engine_memory import OPTIMIZERS, ModelFacts, RankMemory, model_facts, rank_memory
-from annot.memory.strategies import PRECISIONS, STRATEGIES, MemoryInputError, Strategy, strategy
+from annot.memory.communication import (
+    INTER_NODE_BW,
+    INTRA_NODE_BW,
+    TFLOPS,
+    Dtypes,
+    Network,
+    ParamRecord,
+    StepCommunication,
+    local_numel,
+    param_records,
+    step_collectives,
+    step_communication,
+    strategy_layout,
+    tp_styles,
+)
+from annot.memory.engine_memory import (
+    OPTIMIZERS,
+    ModelFacts,
+    RankMemory,
+    _bytes,
+    model_facts,
+    rank_memory,
+)
+from annot.memory.strategies import (
+    PRECISIONS,
+    STRATEGIES,
+    MemoryInputError,
+    Strategy,
+    layout_strategies,
+)
 from annot.policies import Action, Plan, Policy, Rule, make_plan
 from annot.policies.plan import format_bytes
 from annot.policies.rules import format_count
 
-__all__ = ["MARGIN", "RESERVE", "MemoryReport", "StrategyRow", "estimate_memory"]
+__all__ = ["MARGIN", "RESERVE", "MemoryReport", "StepTime", "StrategyRow", "estimate_memory"]
 
 GiB = 2**30
 DDP_LIMIT_PARAMS = 500_000_000  # the seeds' rule of thumb: DDP below about 500M parameters
@@ -48,6 +76,33 @@ PREFERENCE: tuple[tuple[str, bool], ...] = (
 
 
 @dataclasses.dataclass(frozen=True)
+class StepTime:
+    """One training step of a strategy on the `Network`: ``flops`` per GPU (the traced
+    step's, tensor-parallel layers divided), ``compute`` seconds at the stated
+    throughput, the network's ``comm`` (`annot.memory.communication`), and ``tokens``
+    the whole job trains per step."""
+
+    flops: int
+    compute: float
+    comm: StepCommunication
+    tokens: int
+
+    @property
+    def overlapped(self) -> float:
+        """Seconds if every collective hides behind compute: ``max(compute, comm)``."""
+        return max(self.compute, self.comm.seconds)
+
+    @property
+    def serial(self) -> float:
+        """Seconds if no collective hides behind compute: ``compute + comm``."""
+        return self.compute + self.comm.seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.overlapped if self.overlapped else float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
 class StrategyRow:
     """One strategy: its per-rank device peak without and with the Plan's checkpointing
     (counted bytes; ``fits`` adds the margin), host memory per node, NVMe per node."""
@@ -63,6 +118,15 @@ class StrategyRow:
     fits_checkpointed: bool
     detail: RankMemory
     detail_checkpointed: RankMemory
+    #: The step's communication and time without and with the Plan's checkpointing.
+    time: StepTime | None = None
+    time_checkpointed: StepTime | None = None
+
+    @property
+    def run_time(self) -> StepTime | None:
+        """The step time of the variant this row would run: plain if it fits, else
+        checkpointed if that fits, else plain."""
+        return self.time_checkpointed if self.fits_checkpointed and not self.fits else self.time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +151,9 @@ class MemoryReport:
     recommendation: str | None
     checkpoint: bool | None
     reason: str
+    network: Network | None = None
+    #: The ``auto_wrap`` call of the recommendation.
+    call: str | None = None
 
     def row(self, key: str) -> StrategyRow:
         return next(r for r in self.rows if r.key == key)
@@ -95,13 +162,20 @@ class MemoryReport:
         return dataclasses.asdict(self)
 
     def table(self) -> str:
-        header = ("strategy", "GPU peak", "GPU w/ ckpt", "host/node", "NVMe/node", "fits")
+        header = ("strategy", "GPU peak", "GPU w/ ckpt", "host/node", "NVMe/node", "fits",
+                  "sent/GPU in node", "across nodes", "step", "serial")
         rows = []
         for r in self.rows:
             fits = ("yes" if r.fits else "ckpt" if r.fits_checkpointed else "no")
             mark = " <-" if r.key == self.recommendation else ""
+            t = r.run_time
+            timing: tuple[str, ...] = ("-",) * 4
+            if t is not None:
+                timing = (format_bytes(t.comm.intra), format_bytes(t.comm.inter),
+                          _seconds(t.overlapped), _seconds(t.serial))
             rows.append((r.label, format_bytes(r.gpu), format_bytes(r.gpu_checkpointed),
-                         format_bytes(r.host), format_bytes(r.nvme) if r.nvme else "-", fits + mark))
+                         format_bytes(r.host), format_bytes(r.nvme) if r.nvme else "-", fits + mark,
+                         *timing))
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         a = self.activations
         lines = [
@@ -114,15 +188,28 @@ class MemoryReport:
             f"limits: {format_bytes(self.gpu_mem)} per GPU (counted peak + {self.margin:.0%} "
             f"+ {format_bytes(self.reserve)} must fit), {format_bytes(self.host_mem)} per host",
         ]
+        if self.network is not None:
+            n = self.network
+            lines.append(
+                f"network: {n.intra_node_bw / 1e9:g} GB/s per GPU inside a node, "
+                f"{n.inter_node_bw / 1e9:g} GB/s per node across nodes, {n.flops / 1e12:g} TFLOP/s "
+                "per GPU; bytes each GPU sends per step (ring collectives); step = max(compute, "
+                "comm) if collectives overlap compute, serial = compute + comm; a TP row's "
+                "tensor-parallel group shares one micro-batch")
         for row in [header, *rows]:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
         lines.append(f"recommendation: {self.reason}")
-        if self.recommendation is not None:
-            lines.append(f"  {strategy(self.recommendation).call(self.precision, self.checkpoint)}")
+        if self.call is not None:
+            lines.append(f"  {self.call}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _seconds(s: float) -> str:
+    """``0.0123`` -> ``"12.3 ms"``, ``4.5`` -> ``"4.50 s"``."""
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
 def _default_gpu_mem() -> int:
@@ -146,18 +233,93 @@ def _trace_setting(strategy: Strategy, precision: str) -> tuple[torch.dtype | No
 
 
 def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, plan: Plan, *,
-                    world: int, precision: str, optimizer: str) -> RankMemory:
+                    world: int, precision: str, optimizer: str,
+                    records: tuple[ParamRecord, ...] | None = None,
+                    styles: dict[str, str] | None = None) -> RankMemory:
     """`rank_memory` of ``strategy`` with the config annot writes for it, on ``trace``
-    (the training step traced in ``strategy``'s precision setting, `_trace_setting`)."""
+    (the training step traced in ``strategy``'s precision setting, `_trace_setting`).
+
+    Two-dimensional layouts (`Strategy.mesh`): HSDP and ``HYBRID_SHARD`` hold what the
+    shard group's ranks would on their own; tensor parallelism divides the split layers'
+    parameters (``records`` and their ``styles``) before FSDP2 shards them over
+    ``shard`` (activations are counted whole: an upper bound, as the split layers'
+    interiors shrink too); hpZ adds its secondary partition, the parameters over the
+    ``hpz_partition_size`` ranks of a node.
+    """
+    layout = strategy_layout(strategy, world)
     zero = None
+    hpz = int(strategy.option("hpz_partition_size", 1))
     if strategy.engine == "deepspeed":
         from annot.engines.deepspeed_config import deepspeed_config
 
         options = strategy.engine_options(precision)
+        options.pop("hpz_partition_size", None)  # no memory of its own in the config's buffers
         precision_name = options.pop("mixed_precision", None)
         zero = deepspeed_config(plan, precision=precision_name, **options)["zero_optimization"]
-    return rank_memory(strategy, trace, facts, world=world, precision=precision,
-                       optimizer=optimizer, ds_zero=zero)
+    if layout.tp > 1:
+        if records is None or styles is None:
+            raise MemoryInputError(f"{strategy.label}: tensor parallelism needs the parameter "
+                                   "records and the tensor-parallel styles")
+        facts = _tp_facts(facts, records, styles, layout.tp)
+    memory = rank_memory(strategy, trace, facts, world=layout.shard if strategy.mesh else world,
+                         precision=precision, optimizer=optimizer, ds_zero=zero)
+    if hpz > 1:
+        secondary = -(-facts.params // hpz) * _bytes(precision, strategy.engine, optimizer)["param"]
+        memory = dataclasses.replace(
+            memory, device=memory.device + secondary, combined=memory.combined + secondary,
+            parts={**memory.parts, "hpZ secondary partition": secondary})
+    return memory
+
+
+def _tp_facts(facts: ModelFacts, records: tuple[ParamRecord, ...], styles: dict[str, str],
+              tp: int) -> ModelFacts:
+    """``facts`` with each parameter as large as one tensor-parallel rank's piece."""
+    units = [0] * len(facts.units)
+    root = 0
+    for r in records:
+        n = local_numel(r, styles.get(r.module), tp)
+        if 0 <= r.unit < len(units):
+            units[r.unit] += n
+        else:
+            root += n
+    return ModelFacts(params=sum(units) + root, units=tuple(units), root=root,
+                      persistent=facts.persistent)
+
+
+def step_time(strategy: Strategy, trace: StepTrace, plan: Plan, model: nn.Module,
+              records: tuple[ParamRecord, ...], network: Network, *, precision: str,
+              optimizer: str, styles: dict[str, str] | None = None) -> StepTime:
+    """Compute, communication and step time of ``strategy`` for the step ``trace``
+    (`StepTime`, `annot.memory.communication`)."""
+    from annot.engines.deepspeed_config import PERSISTENCE_THRESHOLD
+
+    layout = strategy_layout(strategy, network.world)
+    b = _bytes(precision, strategy.engine, optimizer)
+    dtypes = Dtypes(gather=b["compute"], reduce=b["reduce"] if strategy.engine in ("fsdp1", "fsdp2")
+                    else b["grad"], activation=4 if precision == "fp32" else 2)
+    styles = styles or {}
+    tp = None
+    flops = trace.flops
+    if layout.tp > 1:
+        recomputed = set(plan.paths(Action.CHECKPOINT)) if trace.checkpoint else set()
+        tp = (model, styles, trace.batch * trace.seq, recomputed)
+        # A split Linear's matmuls (2 x tokens x in x out in forward and in recomputation,
+        # twice that in backward) run 1/tp on each rank; the rest (attention scores, norms)
+        # are counted whole, an upper bound.
+        split = 0
+        for path in styles:
+            weight = getattr(model.get_submodule(path), "weight", None)
+            if isinstance(model.get_submodule(path), nn.Linear) and weight is not None:
+                again = any(path == p or path.startswith(p + ".") or p == "" for p in recomputed)
+                split += (6 + 2 * again) * trace.batch * trace.seq * weight.numel()
+        flops -= split - split // layout.tp
+    collectives = step_collectives(
+        strategy.engine, stage=strategy.stage, records=records, layout=layout, dtypes=dtypes,
+        hpz=int(strategy.option("hpz_partition_size", 1)),
+        persistence_threshold=PERSISTENCE_THRESHOLD, tp=tp)
+    comm = step_communication(collectives, layout, network)
+    return StepTime(flops=flops, compute=flops / network.flops, comm=comm,
+                    tokens=trace.batch * trace.seq * network.world // layout.tp)
 
 
 def estimate_memory(
@@ -175,9 +337,14 @@ def estimate_memory(
     margin: float = MARGIN,
     reserve: int = RESERVE,
     inputs: InputsFn | None = None,
+    intra_node_bw: float = INTRA_NODE_BW,
+    inter_node_bw: float = INTER_NODE_BW,
+    tflops: float = TFLOPS,
+    tp_plan: dict[str, str] | None = None,
 ) -> MemoryReport:
     """Per-GPU and per-host memory of every strategy for ``model`` (build it on the meta
-    device: nothing is allocated) and the fastest strategy that fits.
+    device: nothing is allocated), each one's communication and step time, and the
+    fastest strategy that fits.
 
     ``gpus`` is GPUs per node; ``batch`` the micro-batch per GPU; ``gpu_mem``/``host_mem``
     in bytes (defaults: the visible GPU, else 80 GiB; this machine's RAM). ``plan`` may be
@@ -185,6 +352,15 @@ def estimate_memory(
     checkpoint units are what "with checkpointing" means. A strategy fits when its
     counted peak x (1 + ``margin``) + ``reserve`` is at most ``gpu_mem``. The optimizer is
     torch's (foreach, as on GPUs).
+
+    The network (`annot.memory.communication`): ``intra_node_bw`` GB/s each GPU sends
+    inside its node, ``inter_node_bw`` GB/s each node sends to the others, ``tflops``
+    TFLOP/s each GPU computes. On more than one node the two-dimensional layouts are
+    weighed too (`annot.memory.strategies.layout_strategies`); ``tp_plan`` (module-path
+    patterns to styles, as transformers' ``_tp_plan``; default the model's own, else
+    Linear layers by name; ``{}``: no tensor-parallel row) says what tensor parallelism
+    splits. When the recommended strategy's step is bound by the inter-node link, the
+    fastest two-dimensional layout that fits replaces it.
     """
     wrappers = {"DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"}
     if any(hasattr(p, "device_mesh") for p in model.parameters()) or any(
@@ -200,31 +376,42 @@ def estimate_memory(
         raise MemoryInputError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
     if gpus < 1 or nodes < 1:
         raise MemoryInputError("--gpus and --nodes must be at least 1")
+    network = Network(gpus_per_node=gpus, nodes=nodes, intra_node_bw=intra_node_bw * 1e9,
+                      inter_node_bw=inter_node_bw * 1e9, flops=tflops * 1e12)
     gpu_mem = gpu_mem if gpu_mem is not None else _default_gpu_mem()
     host_mem = host_mem if host_mem is not None else _default_host_mem()
-    rows, activations = _rows(model, plan, gpus=gpus, nodes=nodes, batch=batch, seq=seq,
-                              precision=precision, optimizer=optimizer, gpu_mem=gpu_mem,
-                              host_mem=host_mem, margin=margin, reserve=reserve, inputs=inputs)
+    rows, activations, strategies = _rows(
+        model, plan, network=network, batch=batch, seq=seq, precision=precision,
+        optimizer=optimizer, gpu_mem=gpu_mem, host_mem=host_mem, margin=margin, reserve=reserve,
+        inputs=inputs, tp_plan=tp_plan)
     key, checkpoint, reason = _recommend(rows, plan.total_params, gpu_mem, bool(activations.per_unit))
+    if nodes > 1 and key is not None:
+        key, checkpoint, reason = _prefer_network(rows, key, checkpoint, reason)
     return MemoryReport(
         model=type(model).__name__, params=plan.total_params,
         largest_unit_params=max([u.params for u in plan.units] + [plan.root.params]),
         gpus_per_node=gpus, nodes=nodes, precision=precision, optimizer=optimizer, batch=batch,
         seq=seq, gpu_mem=gpu_mem, host_mem=host_mem, margin=margin, reserve=reserve,
         activations=activations, rows=tuple(rows), recommendation=key, checkpoint=checkpoint,
-        reason=reason,
+        reason=reason, network=network,
+        call=strategies[key].call(precision, checkpoint) if key is not None else None,
     )
 
 
-def _rows(model: nn.Module, plan: Plan, *, gpus: int, nodes: int, batch: int, seq: int,
+def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: int,
           precision: str, optimizer: str, gpu_mem: int, host_mem: int, margin: float,
-          reserve: int, inputs: InputsFn | None,
-          keys: tuple[str, ...] | None = None) -> tuple[list[StrategyRow], ActivationEstimate]:
+          reserve: int, inputs: InputsFn | None, tp_plan: dict[str, str] | None = None,
+          keys: tuple[str, ...] | None = None,
+          ) -> tuple[list[StrategyRow], ActivationEstimate, dict[str, Strategy]]:
+    gpus, world = network.gpus_per_node, network.world
     half = torch.float16 if precision == "fp16-mixed" else torch.bfloat16
     activations = trace_activations(model, plan, batch=batch, seq=seq,
                                     dtype=None if precision in ("fp32", "amp") else half, inputs=inputs)
     facts = model_facts(model, plan)
-    chosen = [s for s in STRATEGIES if keys is None or s.key in keys]
+    records = param_records(model, plan)
+    styles = tp_styles(model, tp_plan)
+    candidates = (*STRATEGIES, *layout_strategies(gpus, network.nodes, tp=bool(styles)))
+    chosen = [s for s in candidates if keys is None or s.key in keys]
     # With no unit to checkpoint, the checkpointed step is the plain one: traced once.
     can_checkpoint = bool(plan.paths(Action.CHECKPOINT))
     traces: dict[tuple[Any, ...], StepTrace] = {}
@@ -238,9 +425,13 @@ def _rows(model: nn.Module, plan: Plan, *, gpus: int, nodes: int, batch: int, se
     rows = []
     for s in chosen:
         setting = _trace_setting(s, precision)
-        plain, ckpt = (strategy_memory(s, traces[(*setting, c)], facts, plan, world=gpus * nodes,
-                                       precision=precision, optimizer=optimizer)
+        plain, ckpt = (strategy_memory(s, traces[(*setting, c)], facts, plan, world=world,
+                                       precision=precision, optimizer=optimizer, records=records,
+                                       styles=styles)
                        for c in (False, can_checkpoint))
+        times = [step_time(s, traces[(*setting, c)], plan, model, records, network,
+                           precision=precision, optimizer=optimizer, styles=styles)
+                 for c in (False, can_checkpoint)]
         nvme = s.option("offload") == "nvme"
         host = max(plain.host, ckpt.host) * gpus  # every rank of a node offloads to its host
         host_ok = nvme or host <= host_mem
@@ -252,8 +443,9 @@ def _rows(model: nn.Module, plan: Plan, *, gpus: int, nodes: int, batch: int, se
             key=s.key, label=s.label, call=s.call(precision, None), gpu=plain.device,
             gpu_checkpointed=ckpt.device, host=0 if nvme else host, nvme=host if nvme else 0,
             fits=fits(plain), fits_checkpointed=fits(ckpt), detail=plain, detail_checkpointed=ckpt,
+            time=times[0], time_checkpointed=times[1],
         ))
-    return rows, activations
+    return rows, activations, {s.key: s for s in chosen}
 
 
 def _recommend(
@@ -284,4 +476,51 @@ def _recommend(
     return None, None, (
         f"nothing fits {format_bytes(gpu_mem)} per GPU: use more GPUs (--gpus/--nodes), "
         "a smaller --batch or --seq, or more host memory for offload"
+    )
+
+
+#: Why each two-dimensional layout sends less across nodes (`_prefer_network`).
+_LAYOUT_WHY = {
+    "fsdp2-hsdp": "parameters are gathered and gradients reduce-scattered inside each node; "
+                  "only the all-reduce of each GPU's gradient shard crosses nodes",
+    "fsdp1-hybrid": "parameters are gathered and gradients reduce-scattered inside each node; "
+                    "only the all-reduce of each GPU's gradient shard crosses nodes",
+    "zero3-hpz": "the backward all-gather reads a copy sharded inside the node; the forward "
+                 "all-gather and the reduce-scatter still cross nodes",
+    "tp-fsdp2": "tensor parallelism's activation all-reduces stay inside the node and FSDP2 "
+                "sends 1/tp of the parameters across nodes",
+}
+
+
+def _prefer_network(rows: list[StrategyRow], key: str, checkpoint: bool | None,
+                    reason: str) -> tuple[str, bool | None, str]:
+    """On several nodes: when the recommended strategy's step is bound by the inter-node
+    link (its collectives crossing nodes take longer than its compute), the fastest
+    two-dimensional layout that fits and trains more tokens per second instead."""
+    by_key = {r.key: r for r in rows}
+    chosen = by_key[key]
+    t = chosen.time_checkpointed if checkpoint else chosen.time
+    if t is None or t.comm.inter_seconds <= t.compute:
+        return key, checkpoint, reason
+    best: tuple[float, str, bool] | None = None
+    for r in rows:
+        if r.key not in _LAYOUT_WHY:
+            continue
+        for ckpt, fits, time in ((False, r.fits, r.time), (True, r.fits_checkpointed, r.time_checkpointed)):
+            # Faster by more than 1%: a tie keeps the earlier row (FSDP2 before FSDP1).
+            if fits and time is not None and time.tokens_per_second > t.tokens_per_second and (
+                    best is None or time.tokens_per_second > 1.01 * best[0]):
+                best = (time.tokens_per_second, r.key, ckpt)
+    if best is None:
+        return key, checkpoint, reason + (
+            f"; the inter-node link binds its step ({_seconds(t.comm.inter_seconds)} across nodes "
+            f"against {_seconds(t.compute)} compute) and no two-dimensional layout that fits is faster")
+    row = by_key[best[1]]
+    new = row.time_checkpointed if best[2] else row.time
+    assert new is not None
+    return best[1], best[2], (
+        f"{row.label} {'with' if best[2] else 'without'} checkpointing: the inter-node link binds "
+        f"{chosen.label} ({_seconds(t.comm.inter_seconds)} of its step crosses nodes against "
+        f"{_seconds(t.compute)} compute); {_LAYOUT_WHY[row.key]}: step {_seconds(new.overlapped)} "
+        f"instead of {_seconds(t.overlapped)}"
     )

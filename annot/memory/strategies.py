@@ -13,7 +13,7 @@ from typing import Any
 
 from annot.policies.errors import AnnotError
 
-__all__ = ["PRECISIONS", "STRATEGIES", "MemoryInputError", "Strategy", "strategy"]
+__all__ = ["PRECISIONS", "STRATEGIES", "MemoryInputError", "Strategy", "layout_strategies", "strategy"]
 
 #: ``fp32``; ``amp``: fp32 weights, gradients and optimizer with ``torch.autocast``
 #: (bf16) in the training step, how DDP/FSDP users often train; ``bf16-mixed`` /
@@ -35,6 +35,10 @@ class Strategy:
     label: str
     engine: str
     options: tuple[tuple[str, Any], ...] = ()
+    #: A device mesh for the engine, as (dimension name, size) pairs, outermost first:
+    #: ``replicate`` x ``shard`` is HSDP (FSDP2) / ``HYBRID_SHARD`` (FSDP1), ``shard`` x
+    #: ``tp`` tensor parallelism under FSDP2. Empty: one dimension over every rank.
+    mesh: tuple[tuple[str, int], ...] = ()
 
     def option(self, name: str, default: Any = None) -> Any:
         return dict(self.options).get(name, default)
@@ -86,6 +90,9 @@ class Strategy:
     def call(self, precision: str = "fp32", checkpoint: bool | None = None) -> str:
         """The ``auto_wrap`` call, as code."""
         args = [f'"{self.engine}"'] + [f"{k}={v!r}" for k, v in self.engine_options(precision).items()]
+        if self.mesh:
+            names, sizes = zip(*self.mesh, strict=True)
+            args.append(f'mesh=init_device_mesh("cuda", {sizes!r}, mesh_dim_names={names!r})')
         if checkpoint is not None:
             args.append(f"checkpoint={checkpoint}")
         if self.engine == "deepspeed":
@@ -132,3 +139,23 @@ def strategy(key: str) -> Strategy:
     if key not in _BY_KEY:
         raise MemoryInputError(f"unknown strategy {key!r}; choose from {', '.join(_BY_KEY)}")
     return _BY_KEY[key]
+
+
+def layout_strategies(gpus_per_node: int, nodes: int, *, tp: bool = True) -> tuple[Strategy, ...]:
+    """The two-dimensional layouts weighed beside `STRATEGIES` on more than one node,
+    each node one group: HSDP on FSDP2 and ``HYBRID_SHARD`` on FSDP1 (replicate over
+    nodes x shard inside a node), ZeRO-3 with hpZ (``hpz_partition_size``: the backward
+    all-gather inside a node), and with ``tp`` tensor parallelism inside a node under
+    FSDP2 sharding across nodes. None on one node."""
+    if nodes < 2 or gpus_per_node < 2:
+        return ()
+    g, m = gpus_per_node, nodes
+    hybrid = (("replicate", m), ("shard", g))
+    found = [
+        Strategy("fsdp2-hsdp", f"FSDP2 HSDP ({m} x {g})", "fsdp2", (), hybrid),
+        Strategy("fsdp1-hybrid", f"FSDP1 HYBRID_SHARD ({m} x {g})", "fsdp1", (), hybrid),
+        _ds("zero3-hpz", f"ZeRO-3 + hpZ ({g})", stage=3, hpz_partition_size=g),
+    ]
+    if tp:
+        found.append(Strategy("tp-fsdp2", f"TP {g} x FSDP2 {m}", "fsdp2", (), (("shard", m), ("tp", g))))
+    return tuple(found)
