@@ -276,35 +276,30 @@ def param_records(model: nn.Module, plan: Any) -> tuple[ParamRecord, ...]:
 #: names).
 _COLWISE_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc")
 _ROWWISE_NAMES = ("o_proj", "down_proj", "c_proj")
-#: Styles with what they send (see the module docstring).
-_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise",
-              "embedding_colwise", "rowwise_split_input", "rowwise_rep", "replicate")
 
 
 def tp_styles(model: nn.Module, plan: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Module path -> tensor-parallel style. ``plan``: module-path patterns (``*`` one path
-    component) to styles, as transformers' ``_tp_plan``; default the model's own
-    ``_tp_plan``, else Linear layers by name (``q_proj``/``c_attn``/... column-wise,
-    ``o_proj``/``down_proj``/``c_proj`` row-wise). Empty: nothing to split."""
-    import re
+    """Module path -> tensor-parallel style, as the engine would split ``model``
+    (`annot.policies.tensor_parallel.resolve_tp_plan`). ``plan``: module-path patterns as
+    transformers' ``_tp_plan``; default the model's own ``_tp_plan``, else a `tp_rule` over
+    the Linear layers named like Llama/Mistral/Qwen's and GPT-2/minGPT's (``q_proj``/
+    ``c_attn``/... column-wise, ``o_proj``/``down_proj``/``c_proj`` row-wise). Empty:
+    nothing to split."""
+    from annot.policies.errors import PlanError
+    from annot.policies.tensor_parallel import model_tp_plan, resolve_tp_plan, tp_rule
 
-    if plan is None:
-        plan = getattr(model, "_tp_plan", None) or None
-    modules = dict(model.named_modules())
-    if plan is None:
-        return {path: "colwise" if path.rsplit(".", 1)[-1] in _COLWISE_NAMES else "rowwise"
-                for path, m in modules.items() if isinstance(m, nn.Linear)
-                and path.rsplit(".", 1)[-1] in _COLWISE_NAMES + _ROWWISE_NAMES}
-    styles: dict[str, str] = {}
-    for pattern, style in plan.items():
-        if style not in _TP_STYLES:
-            raise MemoryInputError(f"tensor-parallel style {style!r} of {pattern!r} is not "
-                                   f"modelled; one of {', '.join(_TP_STYLES)}")
-        regex = re.compile("^" + r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$")
-        for path in modules:
-            if regex.match(path):
-                styles[path] = style
-    return styles
+    source: Any = plan
+    if plan is None and model_tp_plan(model) is None:
+        names = {path.rsplit(".", 1)[-1] for path, m in model.named_modules() if isinstance(m, nn.Linear)}
+        colwise = [n for n in _COLWISE_NAMES if n in names]
+        rowwise = [n for n in _ROWWISE_NAMES if n in names]
+        if not colwise and not rowwise:
+            return {}
+        source = tp_rule(colwise=colwise, rowwise=rowwise)
+    try:
+        return resolve_tp_plan(model, source)
+    except PlanError as error:
+        raise MemoryInputError(str(error)) from None
 
 
 def _local_shape(record: ParamRecord, style: str | None, tp: int) -> tuple[int, ...]:

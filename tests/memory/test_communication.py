@@ -150,7 +150,7 @@ def test_tensor_parallel_activations_and_local_shards():
     again = by_op_dim(step_collectives("fsdp2", stage=3, records=records, layout=layout, dtypes=FSDP,
                                        tp=(model, styles, 10, {"0"})))
     assert again[("all-reduce", "tp")] == [320, 160]  # recomputation repeats the forward one
-    with pytest.raises(MemoryInputError, match="not modelled"):
+    with pytest.raises(MemoryInputError, match="does not apply"):
         tp_styles(model, {"*.q_proj": "packed_colwise"})
     with pytest.raises(MemoryInputError, match="FSDP2 only"):
         step_collectives("deepspeed", stage=3, records=records, layout=layout, dtypes=FSDP)
