@@ -39,6 +39,7 @@ from annot.engines.base import (
     resolve_dtype,
     resolve_torch_offload,
 )
+from annot.engines.mesh import MeshLike, data_parallel_mesh, resolve_mesh
 from annot.policies import Action, Plan, Unit
 
 __all__ = [
@@ -61,16 +62,20 @@ class FSDP2Options:
             until backward (`annot.runtime.activation_offload`).
         mixed_precision: ``None`` (as the parameters are), ``"bf16"``/``"fp16"``/a dtype
             (compute in it, reduce gradients in fp32), or a ``MixedPrecisionPolicy``.
-        mesh: the device mesh to shard over; default a 1-D mesh over all ranks. A mesh
-            that does not cover the world is refused unless the model's parameters are
-            already DTensors over the rest (tensor parallelism).
+        mesh: the device mesh to shard over, or `annot.ParallelDims` to build it from
+            (``ParallelDims(replicate=2)``: HSDP, replicas across the outer ranks, each
+            sharded over the inner ones); default the Plan's parallel dims, else a 1-D
+            mesh over all ranks. A 2-D mesh is (replicate, shard): unnamed by position,
+            named by its names (`annot.engines.mesh`). A mesh that does not cover the
+            world is refused unless the model's parameters are already DTensors over the
+            rest (tensor parallelism).
     """
 
     reshard_after_forward: bool = True
     offload: bool | str | None = None
     offload_activations: bool = False
     mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None
-    mesh: DeviceMesh | None = None
+    mesh: MeshLike | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload", resolve_torch_offload(self.offload, "fsdp2"))
@@ -83,6 +88,10 @@ class FSDP2(Engine[FSDP2Options]):
     name = "fsdp2"
     Options = FSDP2Options
 
+    def __init__(self) -> None:
+        #: The data-parallel mesh `check` resolved (``None``: every rank, 1-D).
+        self.mesh: DeviceMesh | None = None
+
     hints = {
         "stage": "FSDP2 says it with reshard_after_forward=True (ZeRO-3-like) or False "
                  "(ZeRO-2-like)",
@@ -94,8 +103,10 @@ class FSDP2(Engine[FSDP2Options]):
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
         refuse_mixed_dtypes(plan, self.name)
-        if options.mesh is not None:
-            refuse_unsynchronised_mesh(model, options.mesh)
+        mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type)
+        if mesh is not None:
+            self.mesh = data_parallel_mesh(mesh)
+            refuse_unsynchronised_mesh(model, self.mesh)
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: FSDP2Options,
                 checkpoint_paths: Sequence[str]) -> None:
@@ -109,7 +120,7 @@ class FSDP2(Engine[FSDP2Options]):
             # __post_init__ resolved offload to None/True/False and a name ("bf16") to a dtype
             model, request.plan, offload=cast("bool | None", options.offload),
             mixed_precision=cast("MixedPrecisionPolicy | torch.dtype | None", options.mixed_precision),
-            reshard_after_forward=options.reshard_after_forward, mesh=options.mesh,
+            reshard_after_forward=options.reshard_after_forward, mesh=self.mesh,
             device=request.device)
 
 
