@@ -106,6 +106,12 @@ class FSDP2(Engine[FSDP2Options]):
         mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type)
         if mesh is not None:
             self.mesh = data_parallel_mesh(mesh)
+            if self.mesh.ndim == 2 and self.mesh.mesh_dim_names is None:
+                # torch 2.13's fully_shard asserts on an unnamed 2-D mesh.
+                raise ValueError(
+                    "fully_shard needs a 2-D (HSDP) mesh's dimensions named: build it with "
+                    "init_device_mesh(..., mesh_dim_names=('replicate', 'shard')), or pass "
+                    "mesh=annot.ParallelDims(replicate=...)")
             refuse_unsynchronised_mesh(model, self.mesh)
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: FSDP2Options,

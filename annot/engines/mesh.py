@@ -2,11 +2,12 @@
 
 The one convention (shared with tensor parallelism): a mesh's dimensions are named
 ``"replicate"``, ``"shard"`` and ``"tp"``, outermost first. A 1-D mesh is sharded over;
-an unnamed 2-D mesh is (replicate, shard) by position, as torch's ``fully_shard`` and
-FSDP1's ``HYBRID_SHARD`` read any 2-D mesh; a named mesh is read by its names. Both torch
-engines read a 2-D mesh by position only, whatever its names say, so a mesh named
-otherwise, or in another order, is refused here rather than sharded over the wrong
-ranks (docs/design.md, pitfall 25).
+an unnamed 2-D mesh is (replicate, shard) by position, as FSDP1's ``HYBRID_SHARD`` reads
+it (torch 2.13's ``fully_shard`` asks for names: FSDP2 refuses it with the fix); a named
+mesh is read by its names. Without torch 2.13's new ``dp_mesh_dims`` both torch engines
+read a 2-D mesh by position only, whatever its names say, so a mesh named otherwise, or
+in another order, is refused here rather than sharded over the wrong ranks
+(docs/design.md, pitfall 25).
 """
 
 from __future__ import annotations
