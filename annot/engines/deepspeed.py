@@ -40,6 +40,7 @@ from annot.engines.base import (
     trained_parameters,
 )
 from annot.engines.deepspeed_config import deepspeed_config
+from annot.engines.mesh import refuse_plan_dims
 from annot.meta.deferred import DeferredInitError
 from annot.meta.layout import FlatPart, ShardLayout
 from annot.meta.unit_allocation import UnitAllocator
@@ -198,6 +199,9 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         plan = request.plan
         # Not verified with DeepSpeed, so refused rather than risked.
         refuse_mixed_dtypes(plan, self.name)
+        refuse_plan_dims(plan.parallel, self.name,
+                         "ZeRO partitions over every rank; for partitions within a node pass "
+                         "hpz_partition_size=N (ZeRO++ hpZ), or use engine='fsdp2' or 'fsdp1'")
         self.config = options.config if options.config is not None else deepspeed_config(
             plan, stage=3 if options.stage is None else options.stage,
             # casts: __post_init__ made offload a str (or None), mixed_precision a dtype (or None)

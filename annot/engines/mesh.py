@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from annot.policies.parallel import DIM_NAMES, ParallelDims
 
-__all__ = ["MeshLike", "build_mesh", "data_parallel_mesh", "resolve_mesh"]
+__all__ = ["MeshLike", "build_mesh", "data_parallel_mesh", "refuse_plan_dims", "resolve_mesh"]
 
 MeshLike = DeviceMesh | ParallelDims
 
@@ -43,6 +43,14 @@ def resolve_mesh(mesh: MeshLike | None, plan_dims: ParallelDims | None,
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh= takes a DeviceMesh or annot.ParallelDims, not {type(mesh).__name__}")
     return mesh
+
+
+def refuse_plan_dims(plan_dims: ParallelDims | None, engine: str, instead: str) -> None:
+    """An engine without meshes (DDP, DeepSpeed) cannot honour a Plan whose parallel
+    dims ask for replicas or tensor parallelism: refused rather than ignored."""
+    if plan_dims is not None and (plan_dims.replicate != 1 or plan_dims.tp != 1):
+        raise ValueError(f"the Plan's parallel dims {plan_dims} need a device mesh, which engine "
+                         f"{engine!r} does not take: {instead}, or plan without parallel=")
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -147,3 +147,12 @@ def test_an_unnamed_2d_mesh_is_hybrid_on_fsdp1_and_needs_names_on_fsdp2(world4):
     assert wrapped.sharding_strategy == ShardingStrategy.HYBRID_SHARD
     with pytest.raises(ValueError, match="mesh_dim_names=\\('replicate', 'shard'\\)"):
         annot.auto_wrap(gpt(), "fsdp2", mesh=init_device_mesh("cpu", (2, 2)))
+
+
+@pytest.mark.parametrize(("engine", "match"), [("ddp", "engine='fsdp2' or 'fsdp1'"),
+                                               ("deepspeed", "hpz_partition_size=N")])
+def test_engines_without_meshes_refuse_a_plans_hybrid_dims(world4, engine, match):
+    model = gpt()
+    plan = annot.plan(model, parallel=annot.ParallelDims(replicate=2))
+    with pytest.raises(ValueError, match=f"need a device mesh.*{match}"):
+        annot.auto_wrap(model, engine, plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
