@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         tp_rule,
     )
     from annot.policies.errors import AnnotError, PlanError
+    from annot.policies.parallel import ParallelDims
     from annot.training_state import latest_state, load_state, save_state
     from annot.values import load, materialize, save
     from annot.wrap import auto_wrap
@@ -100,6 +101,7 @@ _EXPORTS = {
     "PolicySelectionError": "annot.errors",
     "ProcessGroupNotInitializedError": "annot.errors",
     "init_distributed": "annot.process_group",
+    "ParallelDims": "annot.policies.parallel",
 }
 
 __all__ = [
@@ -113,6 +115,7 @@ __all__ = [
     "FSDP2Options",
     "MetaDeviceError",
     "OptimizerOrderError",
+    "ParallelDims",
     "Plan",
     "PlanError",
     "Policy",

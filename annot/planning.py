@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from annot.policies import Plan, Policy, Rule, make_plan
+from annot.policies.parallel import ParallelDims
 
 __all__ = ["plan", "resolve_plan"]
 
 
-def plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
+def plan(model: nn.Module, policy: Policy | Rule | None = None, *,
+         parallel: ParallelDims | None = None) -> Plan:
     """Plan ``model`` without allocating (build it under ``torch.device("meta")``).
 
     ``policy=None`` uses the model's marks (`shard_block`, `mark`, ...) and otherwise its
     HuggingFace ``_no_split_modules``; a bare rule means "shard what it selects". Raises
-    `annot.PlanError` when the plan would be wrong or would do nothing.
+    `annot.PlanError` when the plan would be wrong or would do nothing. ``parallel``: the
+    parallel dimensions (`annot.ParallelDims`, e.g. ``replicate=2`` for HSDP); the table
+    shows them and ``auto_wrap`` builds its mesh from them.
     """
-    return make_plan(model, policy)
+    made = make_plan(model, policy)
+    if parallel is not None and not isinstance(parallel, ParallelDims):
+        raise TypeError(f"parallel= takes annot.ParallelDims, not {type(parallel).__name__}")
+    return dataclasses.replace(made, parallel=parallel) if parallel is not None else made
 
 
 def resolve_plan(model: nn.Module, policy: Policy | Rule | Plan | None) -> Plan:

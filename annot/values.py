@@ -15,6 +15,7 @@ from torch import nn
 from annot.checkpoint_io import loading, saving
 from annot.checkpoint_io.loading import LoadReport
 from annot.engines.base import Trainable
+from annot.engines.deepspeed import refresh_secondary_partitions
 from annot.engines.layout import shard_layout
 from annot.meta import materialization
 
@@ -25,8 +26,9 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
                 progress: bool | None = None) -> nn.Module:
     """Give a `meta_init` model its values, only this rank's shards of a sharded one
     (`annot.meta.materialization.materialize`). Returns the model."""
-    return materialization.materialize(model, device=device, progress=progress,
-                                       layout=shard_layout(model))
+    materialization.materialize(model, device=device, progress=progress, layout=shard_layout(model))
+    refresh_secondary_partitions(model)  # ZeRO++ hpZ's copies of what was just written
+    return model
 
 
 def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
@@ -36,8 +38,10 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
     (`annot.checkpoint_io.loading.load`): safetensors, the model of an `annot.save_state`
     training state, or (``dcp=True``) a torch distributed checkpoint whose keys carry
     ``prefix`` (found from the keys if not given)."""
-    return loading.load(model, path, strict=strict, device=device, layout=shard_layout(model),
-                        dcp=dcp, prefix=prefix)
+    report = loading.load(model, path, strict=strict, device=device, layout=shard_layout(model),
+                          dcp=dcp, prefix=prefix)
+    refresh_secondary_partitions(model)  # ZeRO++ hpZ's copies of what was just written
+    return report
 
 
 def save(model: nn.Module | Trainable, directory: str | os.PathLike[str], *,

@@ -13,6 +13,7 @@ from typing import Any
 
 from annot.policies.errors import PlanError
 from annot.policies.marks import Action
+from annot.policies.parallel import ParallelDims
 from annot.policies.rules import format_count
 
 __all__ = ["Plan", "RootInfo", "Unit", "format_bytes"]
@@ -119,6 +120,9 @@ class Plan:
     total_params: int
     total_bytes: dict[str, int]
     warnings: tuple[str, ...] = ()
+    #: The parallel dimensions asked for (`annot.plan(..., parallel=...)`), if any; the
+    #: engines build their device mesh from it when ``auto_wrap`` gets no ``mesh=``.
+    parallel: ParallelDims | None = None
 
     def unit(self, path: str) -> Unit:
         for unit in self.units:
@@ -143,6 +147,7 @@ class Plan:
             "total_params": self.total_params,
             "total_bytes": dict(self.total_bytes),
             "warnings": list(self.warnings),
+            **({"parallel": self.parallel.to_dict()} if self.parallel is not None else {}),
         }
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -163,6 +168,7 @@ class Plan:
                 total_params=int(data["total_params"]),
                 total_bytes={str(k): int(v) for k, v in data.get("total_bytes", {}).items()},
                 warnings=tuple(data.get("warnings", ())),
+                parallel=ParallelDims.from_dict(data["parallel"]) if "parallel" in data else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"not a valid plan: {type(exc).__name__}: {exc}") from None
@@ -221,6 +227,8 @@ class Plan:
                 lines.append(f"group: {' + '.join(u.modules)} (one shard unit)")
         for group in self.tied:
             lines.append(f"tied: {' = '.join(group)}")
+        if self.parallel is not None:
+            lines.append(f"parallel: {self.parallel.describe()}: {self.parallel.meaning()}")
         for warning in self.warnings:
             lines.append(f"warning: {warning}")
         return "\n".join(lines)

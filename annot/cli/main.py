@@ -55,6 +55,9 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="cast the (meta) model before planning, e.g. bfloat16 weights")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    p.add_argument("--parallel", metavar="DIMS",
+                   help="parallel dimensions, e.g. replicate=2,shard=-1 (HSDP: 2 replicas, each "
+                        "sharded over the rest); their product is --gpus x --nodes")
     memory = p.add_argument_group("memory (--memory)")
     memory.add_argument("--memory", action="store_true",
                         help="estimate per-GPU memory of every strategy and recommend one")
@@ -167,6 +170,17 @@ def _run_plan(args: argparse.Namespace) -> int:
             return make_plan(model)
 
         plan = plan_of(model)
+        if args.parallel is not None:
+            from dataclasses import replace
+
+            from annot.policies.parallel import ParallelDims
+
+            world = args.gpus * args.nodes
+            try:
+                dims = ParallelDims.parse(args.parallel).resolve(world)
+            except ValueError as exc:
+                raise ValueError(f"--parallel on --gpus {args.gpus} x --nodes {args.nodes}: {exc}") from None
+            plan = replace(plan, parallel=dims)
     except PlanError as exc:
         for line in str(exc).splitlines():
             print(f"annot plan: invalid plan: {line}", file=sys.stderr)

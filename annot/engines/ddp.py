@@ -25,6 +25,7 @@ from annot.engines.base import (
     checkpoint_and_offload_activations,
     refuse_nvme_marks,
 )
+from annot.engines.mesh import refuse_plan_dims
 
 __all__ = ["DDP", "DDPOptions", "apply_ddp"]
 
@@ -65,6 +66,7 @@ class DDP(Engine[DDPOptions]):
     def check(self, model: nn.Module, request: WrapRequest, options: DDPOptions) -> None:
         plan = request.plan
         refuse_nvme_marks(plan, self.name)
+        refuse_plan_dims(plan.parallel, self.name, "use engine='fsdp2' or 'fsdp1'")
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: DDPOptions,
                 checkpoint_paths: Sequence[str]) -> None:

@@ -40,6 +40,7 @@ from annot.engines.base import (
     trained_parameters,
 )
 from annot.engines.deepspeed_config import deepspeed_config
+from annot.engines.mesh import refuse_plan_dims
 from annot.meta.deferred import DeferredInitError
 from annot.meta.layout import FlatPart, ShardLayout
 from annot.meta.unit_allocation import UnitAllocator
@@ -55,6 +56,7 @@ __all__ = [
     "deepspeed_checkpoint",
     "partition_range",
     "partition_unit_by_unit",
+    "refresh_secondary_partitions",
     "set_leaf_modules",
     "shard_layout",
 ]
@@ -138,6 +140,9 @@ class DeepSpeedOptions:
             `annot.deepspeed_config` writes from the options above (then leave them out).
         leaf_modules: ZeRO-3 leaves (classes, class names, or a rule selecting module
             instances, e.g. MoE blocks), gathered whole on entry.
+        hpz_partition_size, quantized_weights, quantized_gradients: ZeRO++ for stage 3
+            (`annot.deepspeed_config`): hierarchical partitioning over groups of N
+            consecutive ranks (a node), quantized weight / gradient collectives (GPU only).
     """
 
     stage: int | None = None
@@ -147,6 +152,9 @@ class DeepSpeedOptions:
     mixed_precision: torch.dtype | str | None = None
     config: dict[str, Any] | None = None
     leaf_modules: LeafModules | None = None
+    hpz_partition_size: int = 1
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload", {True: "cpu", False: "none"}.get(self.offload, self.offload))  # type: ignore[arg-type]
@@ -157,10 +165,13 @@ class DeepSpeedOptions:
         object.__setattr__(self, "mixed_precision", dtype)
         if self.config is not None and (self.offload is not None or dtype is not None
                                         or self.stage is not None or self.nvme_path
-                                        or self.offload_params is not None):
+                                        or self.offload_params is not None
+                                        or self.hpz_partition_size != 1 or self.quantized_weights
+                                        or self.quantized_gradients):
             raise ValueError(
-                "engine 'deepspeed' with config=: set stage, offload and precision in the config "
-                "(annot.deepspeed_config(..., stage=..., offload=..., precision=...)), not here")
+                "engine 'deepspeed' with config=: set stage, offload, precision and ZeRO++ in the "
+                "config (annot.deepspeed_config(..., stage=..., offload=..., precision=..., "
+                "hpz_partition_size=...)), not here")
 
 
 class DeepSpeed(Engine[DeepSpeedOptions]):
@@ -179,20 +190,28 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
                                  "parameters after forward, stage=2 keeps them",
         "offload_activations": "use DeepSpeed's own annot.deepspeed_config(..., "
                                "cpu_checkpointing=True) as config=",
-        "mesh": "DeepSpeed partitions over the default process group",
+        "mesh": "DeepSpeed partitions over the default process group; its hierarchical "
+                "partitioning (ZeRO++ hpZ: parameters gathered within groups of N ranks, a "
+                "node) is hpz_partition_size=N",
     }
 
     def check(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions) -> None:
         plan = request.plan
         # Not verified with DeepSpeed, so refused rather than risked.
         refuse_mixed_dtypes(plan, self.name)
+        refuse_plan_dims(plan.parallel, self.name,
+                         "ZeRO partitions over every rank; for partitions within a node pass "
+                         "hpz_partition_size=N (ZeRO++ hpZ), or use engine='fsdp2' or 'fsdp1'")
         self.config = options.config if options.config is not None else deepspeed_config(
             plan, stage=3 if options.stage is None else options.stage,
             # casts: __post_init__ made offload a str (or None), mixed_precision a dtype (or None)
             offload=cast("str | None", options.offload),
             offload_params=options.offload_params,
             nvme_path=options.nvme_path,
-            precision=_DEEPSPEED_PRECISION[cast("torch.dtype | None", options.mixed_precision)])
+            precision=_DEEPSPEED_PRECISION[cast("torch.dtype | None", options.mixed_precision)],
+            hpz_partition_size=options.hpz_partition_size,
+            quantized_weights=options.quantized_weights,
+            quantized_gradients=options.quantized_gradients)
         stage = self.stage
         if options.leaf_modules is not None and stage != 3:
             raise ValueError(
@@ -228,6 +247,10 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
 
     def layout(self, wrapped: nn.Module) -> ShardLayout:
         return shard_layout(wrapped)
+
+    def fill(self, wrapped: nn.Module, request: WrapRequest) -> None:
+        super().fill(wrapped, request)
+        refresh_secondary_partitions(wrapped)
 
     def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
                   options: DeepSpeedOptions) -> Trainable:
@@ -301,12 +324,44 @@ def partition_unit_by_unit(model: nn.Module, unit_paths: Sequence[str], config: 
         unit = model.get_submodule(path)
         for module in unit.modules():
             allocator(module)
-        deepspeed.zero.Init(module=unit, config_dict_or_path=config)
+        # hpZ: DeepSpeed creates its secondary-partition group in the first Init that
+        # has none and asserts if asked to create it again: later calls get the first's.
+        deepspeed.zero.Init(module=unit, config_dict_or_path=config,
+                            zero_param_parallel_group=_hpz_group(config))
         # A unit's full tensors can outlive its partitioning in reference cycles until the
         # collector runs (seen once on 4 ranks: one block's weight still alive when the
         # next unit allocated). Collect now, so at most one unit is ever full at once.
         gc.collect()
     allocator.record_on(model)
+
+
+def _hpz_group(config: dict[str, Any]) -> Any:
+    """The hpZ secondary-partition group DeepSpeed already made (``None``: none yet, or
+    no hpZ). One per process: a second size is refused rather than silently ignored."""
+    from deepspeed.utils import groups
+
+    size = int(config.get("zero_optimization", {}).get("zero_hpz_partition_size", 1))
+    group = groups._get_zero_param_intra_parallel_group()
+    if size <= 1 or group is None:
+        return None
+    existing = groups._get_zero_param_intra_parallel_group_world_size()
+    if existing != size:
+        raise ValueError(
+            f"hpz_partition_size={size}, but DeepSpeed already made its hpZ groups of "
+            f"{existing} ranks in this process (it keeps one): use {existing}")
+    return group
+
+
+def refresh_secondary_partitions(model: nn.Module) -> None:
+    """Drop ZeRO++ hpZ's secondary partitions after annot wrote the primary ones
+    (materialize, load, a training state): they were cut from the values before, and the
+    next forward would gather them (wrong, silently; docs/design.md, pitfall 27).
+    Without them the next forward gathers the primary partitions and DeepSpeed cuts new
+    secondary ones when it releases the parameters, as it does after every step
+    (``invalidate_secondary_tensor``)."""
+    for param in model.parameters():
+        if getattr(param, "ds_secondary_tensor", None) is not None:
+            param.ds_secondary_tensor = None  # type: ignore[attr-defined]
 
 
 def shard_layout(model: nn.Module) -> ShardLayout:

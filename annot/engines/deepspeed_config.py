@@ -74,6 +74,9 @@ def deepspeed_config(
     gradient_clipping: float = 0.0,
     partition_activations: bool = False,
     cpu_checkpointing: bool = False,
+    hpz_partition_size: int = 1,
+    quantized_weights: bool = False,
+    quantized_gradients: bool = False,
     for_: str | None = None,
 ) -> dict[str, Any]:
     """The config for ``deepspeed.initialize(model=..., optimizer=..., config=...)``.
@@ -98,6 +101,15 @@ def deepspeed_config(
     value given here for a key the trainer owns is refused, naming the trainer's
     setting. Either way apply the Plan's checkpointing to the model yourself
     (`annot.apply_checkpointing`), since neither trainer runs annot's engine.
+
+    ZeRO++ (stage 3 only): ``hpz_partition_size=N`` is hierarchical partitioning (hpZ,
+    ``zero_hpz_partition_size``): each rank also keeps a secondary copy of its parameters
+    sharded over its group of N consecutive ranks (one node, with N the GPUs per node),
+    so backward gathers them within that group instead of across the world; gradients
+    and optimizer state stay partitioned over the world. ``quantized_weights`` /
+    ``quantized_gradients`` (``zero_quantized_weights`` / ``zero_quantized_gradients``)
+    communicate weights and gradients quantized; they need DeepSpeed's CUDA quantizer
+    kernels, so they are refused without a GPU.
     """
     trainer_owned = _trainer_owned(for_, micro_batch_size=micro_batch_size,
                                    gradient_accumulation_steps=gradient_accumulation_steps,
@@ -122,9 +134,10 @@ def deepspeed_config(
             "GPUs, or pass cpu_checkpointing=False (or stage=2) on CPU"
         )
 
+    zero_plus = _zero_plus_plus(stage, hpz_partition_size, quantized_weights, quantized_gradients)
     if offload_params and (stage != 3 or target is None):
         raise ValueError("offload_params=True needs stage=3 and offload='cpu' or 'nvme'")
-    zero: dict[str, Any] = {"stage": stage, **zero_buffer_sizes(plan, stage)}
+    zero: dict[str, Any] = {"stage": stage, **zero_buffer_sizes(plan, stage), **zero_plus}
     if target is not None:
         if stage == 0:
             raise ValueError("offload needs ZeRO stage 1 or more (stage 3 to offload parameters)")
@@ -197,6 +210,39 @@ def _trainer_owned(for_: str | None, *, micro_batch_size: int, gradient_accumula
             f"deepspeed_config(for_={for_!r}): the trainer sets these itself; give them there: "
             + ", ".join(wrong))
     return list(owned)
+
+
+def _zero_plus_plus(stage: int, hpz_partition_size: int, quantized_weights: bool,
+                    quantized_gradients: bool) -> dict[str, Any]:
+    """The ZeRO++ keys asked for (none when none is), checked: they are ZeRO-3's, hpZ's
+    group divides the world, the quantized collectives need CUDA kernels."""
+    if isinstance(hpz_partition_size, bool) or not isinstance(hpz_partition_size, int) \
+            or hpz_partition_size < 1:
+        raise ValueError(f"hpz_partition_size must be a positive int (ranks per secondary "
+                         f"partition group, e.g. the GPUs per node), got {hpz_partition_size!r}")
+    asked = {"zero_hpz_partition_size": hpz_partition_size} if hpz_partition_size > 1 else {}
+    if quantized_weights:
+        asked["zero_quantized_weights"] = True
+    if quantized_gradients:
+        asked["zero_quantized_gradients"] = True
+    if not asked:
+        return {}
+    names = ", ".join(k.removeprefix("zero_") for k in asked)
+    if stage != 3:
+        raise ValueError(f"{names} (ZeRO++) partition or quantize ZeRO-3's parameter "
+                         f"collectives, but the stage is {stage}: use stage=3")
+    if hpz_partition_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        if world % hpz_partition_size:
+            raise ValueError(f"hpz_partition_size={hpz_partition_size} does not divide the "
+                             f"{world} ranks: use a divisor of {world}, usually the GPUs per node")
+    if (quantized_weights or quantized_gradients) and not torch.cuda.is_available():
+        # DeepSpeed 0.19.8's CPU accelerator has no quantizer kernels (its QuantizerBuilder
+        # is a NotImplementedBuilder): the run would fail inside DeepSpeed.
+        raise EngineNotAvailableError(
+            "ZeRO++ quantized_weights / quantized_gradients need DeepSpeed's CUDA quantizer "
+            "kernels: use them on GPUs, or drop them on CPU (hpz_partition_size works on CPU)")
+    return asked
 
 
 def _offload_target(plan: Plan, offload: str | None) -> str | None:

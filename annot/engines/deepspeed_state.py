@@ -32,7 +32,7 @@ from torch import nn
 from annot.checkpoint_io.flat_chunks import FlatChunks
 from annot.checkpoint_io.loading import state_names
 from annot.engines.base import Trainable
-from annot.engines.deepspeed import partition_range, shard_layout
+from annot.engines.deepspeed import partition_range, refresh_secondary_partitions, shard_layout
 from annot.engines.training_state import Reader, groups_from_json, groups_to_json
 from annot.errors import CheckpointError
 from annot.meta.layout import ShardLayout
@@ -234,6 +234,7 @@ class DeepSpeedState:
                         f"({sorted(distinct)[:4]}), but DeepSpeed keeps one per partition")
                 for partition in self._partitions():
                     self.inner.state[partition][key] = next(iter(values.values())).clone()
+        refresh_secondary_partitions(self.model)  # ZeRO++ hpZ: cut from the values before
         for group, loaded in zip(self.inner.param_groups, groups, strict=True):
             group.update({k: v for k, v in loaded.items() if k != "params"})
         for counter in _COUNTERS:

@@ -21,7 +21,9 @@ import dataclasses
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffload,
     FullyShardedDataParallel,
@@ -37,6 +39,7 @@ from annot.engines.base import (
     resolve_dtype,
     resolve_torch_offload,
 )
+from annot.engines.mesh import MeshLike, data_parallel_mesh, resolve_mesh
 from annot.engines.tool_policy import PlanPolicy
 from annot.errors import EngineNotAvailableError
 from annot.meta.deferred import DeferredInitError
@@ -66,11 +69,18 @@ class FSDP1Options:
             as the Plan marks, if it marks all units or none.
         mixed_precision: ``None``, ``"bf16"``/``"fp16"``/a dtype (reductions in fp32) or
             a ``MixedPrecision``.
+        mesh: a device mesh over every rank, or `annot.ParallelDims` to build it from;
+            default the Plan's parallel dims, else the default process group. A 2-D mesh
+            (replicate, shard) is ``HYBRID_SHARD`` (``_HYBRID_SHARD_ZERO2`` with
+            ``reshard_after_forward=False``): each rank's flat shard is over its shard
+            group, gradients are all-reduced across replicas. Read as for FSDP2
+            (`annot.engines.mesh`); FSDP1 has no tensor parallelism here.
     """
 
     reshard_after_forward: bool = True
     offload: bool | str | None = None
     mixed_precision: MixedPrecision | torch.dtype | str | None = None
+    mesh: MeshLike | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload", resolve_torch_offload(self.offload, "fsdp1"))
@@ -83,9 +93,11 @@ class FSDP1(Engine[FSDP1Options]):
     name = "fsdp1"
     Options = FSDP1Options
 
+    def __init__(self) -> None:
+        #: The mesh `check` resolved (``None``: the default process group).
+        self.mesh: DeviceMesh | None = None
+
     hints = {
-        "mesh": "FSDP1 shards over the default process group; for a device mesh "
-                "(HSDP) use engine='fsdp2'",
         "offload_activations": "activation offload is wired for engine='fsdp2' or 'ddp'",
         "stage": "FSDP1 says it with reshard_after_forward=True (FULL_SHARD) or False "
                  "(SHARD_GRAD_OP)",
@@ -102,13 +114,17 @@ class FSDP1(Engine[FSDP1Options]):
                 raise EngineNotAvailableError(
                     "the Plan offloads some units, but FSDP1 offloads all parameters or none: "
                     "pass offload=True or offload=False, or use engine='fsdp2'")
+        mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type)
+        if mesh is not None:
+            self.mesh = _whole_world_mesh(data_parallel_mesh(mesh))
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: FSDP1Options) -> nn.Module:
         return apply_fsdp1(
             # __post_init__ resolved offload to None/True/False and a name ("bf16") to a dtype
             model, request.plan, offload=cast("bool | None", options.offload),
             mixed_precision=cast("MixedPrecision | torch.dtype | None", options.mixed_precision),
-            reshard_after_forward=options.reshard_after_forward, device=request.device)
+            reshard_after_forward=options.reshard_after_forward, device=request.device,
+            mesh=self.mesh)
 
     def layout(self, wrapped: nn.Module) -> ShardLayout:
         return shard_layout(wrapped)
@@ -121,6 +137,22 @@ def _refuse_offload_on_cpu(offload: bool, device: torch.device) -> None:
         raise EngineNotAvailableError(
             "FSDP1 parameter offload pins host memory and needs a GPU: on CPU use "
             "engine='fsdp2' (its CPUOffloadPolicy works there) or offload=False")
+
+
+def _whole_world_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` (1-D or (replicate, shard)) if it spans every rank. FSDP1 reduces over its
+    mesh alone, so a smaller one would leave ranks training unsynchronised copies
+    (docs/design.md, pitfall 21), and annot gives FSDP1 no tensor parallelism to cover
+    the rest."""
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        dims = "x".join(str(n) for n in mesh.mesh.shape)
+        raise EngineNotAvailableError(
+            f"FSDP1 shards and replicates over mesh={dims} ({mesh.size()} ranks), not over the "
+            f"{world} ranks of the world: the others would train unsynchronised copies. Give a "
+            f"mesh or ParallelDims over all {world} ranks (tp=1); tensor parallelism is "
+            "engine='fsdp2'")
+    return mesh
 
 
 def _refuse_groups(plan: Plan) -> None:
@@ -211,6 +243,7 @@ def apply_fsdp1(
     mixed_precision: torch.dtype | MixedPrecision | None,
     reshard_after_forward: bool,
     device: torch.device,
+    mesh: DeviceMesh | None = None,
 ) -> FullyShardedDataParallel:
     """Wrap ``model`` in FSDP1 following ``plan`` (``use_orig_params=True``, so the
     optimizer sees the original parameters and frozen/trainable mixes work).
@@ -223,6 +256,9 @@ def apply_fsdp1(
 
     FSDP1 offloads all parameters or none: ``offload=True`` offloads everything;
     a Plan that offloads only some units is refused unless ``offload`` is given.
+    ``mesh``: ``None`` shards over the default process group; a 1-D mesh over it; a 2-D
+    (replicate, shard) mesh is hybrid sharding (``HYBRID_SHARD``, or
+    ``_HYBRID_SHARD_ZERO2`` without resharding after forward).
     """
     _refuse_offload_on_cpu(bool(offload), device)
     wrap_policy, _ = fsdp1_policies(model, plan)
@@ -234,9 +270,8 @@ def apply_fsdp1(
         model,
         # FSDP1 runs any _Policy; its annotation lists only torch's own policy classes.
         auto_wrap_policy=cast(Any, wrap_policy),
-        sharding_strategy=(
-            ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
-        ),
+        sharding_strategy=_strategy(reshard_after_forward, hybrid=mesh is not None and mesh.ndim == 2),
+        device_mesh=mesh,
         cpu_offload=CPUOffload(offload_params=bool(offload)),
         mixed_precision=mixed_precision,
         device_id=device,  # also on CPU: FSDP1 otherwise insists on an accelerator
@@ -245,3 +280,10 @@ def apply_fsdp1(
     )
     allocator.record_on(wrapped)
     return wrapped
+
+
+def _strategy(reshard_after_forward: bool, *, hybrid: bool) -> ShardingStrategy:
+    if hybrid:  # torch's FSDP1 reads a 2-D mesh as (replicate, shard) by position
+        return (ShardingStrategy.HYBRID_SHARD if reshard_after_forward
+                else ShardingStrategy._HYBRID_SHARD_ZERO2)
+    return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP

@@ -44,14 +44,15 @@ from annot.engines.base import (
     resolve_dtype,
     resolve_torch_offload,
 )
+from annot.engines.mesh import MeshLike, resolve_mesh, split_mesh
 from annot.engines.tensor_parallel import (
     TP_DIM,
     TPSource,
     apply_tensor_parallel,
     check_tensor_parallel,
-    split_mesh,
 )
 from annot.policies import Action, Plan, Unit
+from annot.policies.parallel import ParallelDims
 
 __all__ = [
     "FSDP2", "FSDP2Options", "apply_fsdp2", "holds_fsdp2", "mixed_precision_policy",
@@ -73,33 +74,42 @@ class FSDP2Options:
             until backward (`annot.runtime.activation_offload`).
         mixed_precision: ``None`` (as the parameters are), ``"bf16"``/``"fp16"``/a dtype
             (compute in it, reduce gradients in fp32), or a ``MixedPrecisionPolicy``.
-        mesh: the device mesh to shard over; default a 1-D mesh over all ranks. A mesh
-            that does not cover the world is refused unless the model's parameters are
-            already DTensors over the rest (tensor parallelism). A dimension named
-            ``"tp"`` (the last one) is tensor parallel: ``tp_plan`` is applied on it first,
-            then FSDP2 shards over the other dimensions (``"shard"``, or ``"replicate"``
-            and ``"shard"``: HSDP).
+        mesh: the device mesh to shard over, or `annot.ParallelDims` to build it from
+            (``ParallelDims(replicate=2)``: HSDP, replicas across the outer ranks, each
+            sharded over the inner ones); default the Plan's parallel dims, else a 1-D
+            mesh over all ranks. A 2-D mesh is (replicate, shard): unnamed by position,
+            named by its names (`annot.engines.mesh`). A dimension named ``"tp"`` (the
+            last one) is tensor parallel: ``tp_plan`` is applied on it first, then FSDP2
+            shards over the other dimensions (``"shard"``, or ``"replicate"`` and
+            ``"shard"``: HSDP). A mesh that does not cover the world is refused unless
+            the model's parameters are already DTensors over the rest.
         tp_plan: what tensor parallelism splits: ``None`` the model's own plan (a
             transformers model's ``_tp_plan``), `annot.tp_rule` (Linear layers by name),
             or a mapping of module patterns to styles (transformers' form). Only with a
-            mesh that has a ``"tp"`` dimension.
+            ``"tp"`` dimension of more than one rank.
     """
 
     reshard_after_forward: bool = True
     offload: bool | str | None = None
     offload_activations: bool = False
     mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None
-    mesh: DeviceMesh | None = None
+    mesh: MeshLike | None = None
     tp_plan: TPSource = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload", resolve_torch_offload(self.offload, "fsdp2"))
         object.__setattr__(self, "mixed_precision", resolve_dtype(self.mixed_precision))
+        # What is known here; a mesh from the Plan's parallel dims is checked in `check`.
         if self.tp_plan is not None and (
-                self.mesh is None or TP_DIM not in (self.mesh.mesh_dim_names or ())):
-            raise ValueError(
-                f"fsdp2: tp_plan= needs mesh= with a '{TP_DIM}' dimension to split over, e.g. "
-                f"init_device_mesh(device, (dp, tp), mesh_dim_names=('shard', '{TP_DIM}'))")
+                isinstance(self.mesh, DeviceMesh) and TP_DIM not in (self.mesh.mesh_dim_names or ())
+                or isinstance(self.mesh, ParallelDims) and self.mesh.tp == 1):
+            raise ValueError(_TP_PLAN_NEEDS_TP)
+
+
+_TP_PLAN_NEEDS_TP = (
+    f"fsdp2: tp_plan= needs mesh= with a '{TP_DIM}' dimension of more than one rank to split "
+    f"over, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=('shard', '{TP_DIM}')) or "
+    "annot.ParallelDims(tp=2)")
 
 
 class FSDP2(Engine[FSDP2Options]):
@@ -114,23 +124,37 @@ class FSDP2(Engine[FSDP2Options]):
         "config": "config= is DeepSpeed's (engine='deepspeed')",
     }
 
+    def __init__(self) -> None:
+        #: The data-parallel and tensor-parallel meshes `check` resolved (``None``: every
+        #: rank, 1-D; no tensor parallelism).
+        self.mesh: DeviceMesh | None = None
+        self.tp_mesh: DeviceMesh | None = None
+
     def check(self, model: nn.Module, request: WrapRequest, options: FSDP2Options) -> None:
         plan = request.plan
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
         refuse_mixed_dtypes(plan, self.name)
-        if options.mesh is not None:
-            refuse_unsynchronised_mesh(model, options.mesh)
-            _, tp_mesh = split_mesh(options.mesh)
-            if tp_mesh is not None:
-                check_tensor_parallel(model, options.tp_plan, tp_mesh.size())
+        mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type)
+        if mesh is not None:
+            self.mesh, self.tp_mesh = split_mesh(mesh)
+            if self.mesh.ndim == 2 and self.mesh.mesh_dim_names is None:
+                # torch 2.13's fully_shard asserts on an unnamed 2-D mesh.
+                raise ValueError(
+                    "fully_shard needs a 2-D (HSDP) mesh's dimensions named: build it with "
+                    "init_device_mesh(..., mesh_dim_names=('replicate', 'shard')), or pass "
+                    "mesh=annot.ParallelDims(replicate=...)")
+            refuse_unsynchronised_mesh(model, mesh)
+        if self.tp_mesh is not None:
+            check_tensor_parallel(model, options.tp_plan, self.tp_mesh.size())
+        elif options.tp_plan is not None:
+            raise ValueError(_TP_PLAN_NEEDS_TP)
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: FSDP2Options,
                 checkpoint_paths: Sequence[str]) -> None:
-        tp_mesh = split_mesh(options.mesh)[1] if options.mesh is not None else None
-        if tp_mesh is not None:  # before checkpointing and sharding (torchtitan's order)
-            plan = check_tensor_parallel(model, options.tp_plan, tp_mesh.size())
-            apply_tensor_parallel(model, plan, tp_mesh)
+        if self.tp_mesh is not None:  # before checkpointing and sharding (torchtitan's order)
+            plan = check_tensor_parallel(model, options.tp_plan, self.tp_mesh.size())
+            apply_tensor_parallel(model, plan, self.tp_mesh)
         # The Plan's offload marks mean parameter offload here; activation offload is asked
         # for explicitly.
         checkpoint_and_offload_activations(model, request.plan, checkpoint_paths,
@@ -141,7 +165,7 @@ class FSDP2(Engine[FSDP2Options]):
             # __post_init__ resolved offload to None/True/False and a name ("bf16") to a dtype
             model, request.plan, offload=cast("bool | None", options.offload),
             mixed_precision=cast("MixedPrecisionPolicy | torch.dtype | None", options.mixed_precision),
-            reshard_after_forward=options.reshard_after_forward, mesh=options.mesh,
+            reshard_after_forward=options.reshard_after_forward, mesh=self.mesh,
             device=request.device)
 
 

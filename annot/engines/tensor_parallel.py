@@ -33,7 +33,6 @@ __all__ = [
     "TensorParallelPlan",
     "apply_tensor_parallel",
     "check_tensor_parallel",
-    "split_mesh",
     "torch_style",
 ]
 
@@ -54,30 +53,6 @@ class TensorParallelPlan:
 
     styles: dict[str, str]
     local_heads: dict[str, tuple[str, ...]]
-
-
-def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
-    """The data-parallel part of ``mesh`` and its ``"tp"`` dimension (``None`` when the
-    mesh has none: then the whole mesh is data parallel, as before).
-
-    ``"tp"`` must be the innermost dimension (consecutive ranks share a tensor-parallel
-    group, the fastest link); the other dimensions, in order, are FSDP2's: one
-    (``"shard"``) or two (``"replicate"``, ``"shard"``: HSDP)."""
-    names = mesh.mesh_dim_names or ()
-    if TP_DIM not in names:
-        return mesh, None
-    if names[-1] != TP_DIM:
-        raise ValueError(
-            f"mesh dimensions {names}: '{TP_DIM}' must be the last (innermost) dimension, so "
-            "that a tensor-parallel group is consecutive ranks, e.g. "
-            f"init_device_mesh(device, (dp, tp), mesh_dim_names=('shard', '{TP_DIM}'))")
-    data = names[:-1]
-    if not data:
-        raise ValueError(
-            f"mesh dimensions {names}: FSDP2 needs a data-parallel dimension besides "
-            f"'{TP_DIM}'; for tensor parallelism alone use a ('shard', '{TP_DIM}') mesh of "
-            "shape (1, world)")
-    return (mesh[data[0]] if len(data) == 1 else mesh[data]), mesh[TP_DIM]
 
 
 def torch_style(style: str) -> ParallelStyle:

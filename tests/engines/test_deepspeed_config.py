@@ -109,3 +109,48 @@ def test_deepspeed_checkpoint_keeps_a_one_tuple_and_the_gradient():
     out[0].sum().backward()
     assert linear.weight.grad is not None and linear.weight.grad.abs().sum() > 0
     assert isinstance(deepspeed_checkpoint(linear, x), torch.Tensor)
+
+
+def test_zero_plus_plus_keys_are_what_deepspeeds_parser_reads(model, monkeypatch):
+    # hpZ runs on CPU (tests/engines/test_hsdp.py trains with it on 4 ranks); the
+    # quantized collectives need DeepSpeed's CUDA kernels, so their keys are checked here.
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = annot.deepspeed_config(model, stage=3, hpz_partition_size=2)["zero_optimization"]
+    assert DeepSpeedZeroConfig(**zero).zero_hpz_partition_size == 2
+    assert "zero_hpz_partition_size" not in annot.deepspeed_config(model, stage=3)["zero_optimization"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    zero = annot.deepspeed_config(model, stage=3, quantized_weights=True,
+                                  quantized_gradients=True)["zero_optimization"]
+    parsed = DeepSpeedZeroConfig(**zero)
+    assert parsed.zero_quantized_weights and parsed.zero_quantized_gradients
+
+
+@pytest.mark.parametrize(("options", "error", "match"), [
+    (dict(stage=2, hpz_partition_size=2), ValueError, "hpz_partition_size.*ZeRO-3.*stage is 2"),
+    (dict(stage=3, hpz_partition_size=0), ValueError, "positive int"),
+    (dict(stage=3, quantized_weights=True), annot.EngineNotAvailableError, "CUDA quantizer"),
+])
+def test_zero_plus_plus_that_cannot_run_is_refused(model, options, error, match):
+    if error is annot.EngineNotAvailableError and torch.cuda.is_available():
+        pytest.skip("the quantized collectives run on GPUs")
+    with pytest.raises(error, match=match):
+        annot.deepspeed_config(model, **options)
+
+
+def test_hpz_groups_must_divide_the_world(model):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        with pytest.raises(ValueError, match="hpz_partition_size=3 does not divide the 4 ranks"):
+            annot.deepspeed_config(model, stage=3, hpz_partition_size=3)
+        assert annot.deepspeed_config(model, stage=3, hpz_partition_size=4)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero_plus_plus_goes_in_the_config_when_one_is_given():
+    with pytest.raises(ValueError, match="ZeRO\\+\\+ in the config"):
+        annot.DeepSpeedOptions(config={}, hpz_partition_size=2)

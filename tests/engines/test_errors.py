@@ -100,7 +100,7 @@ def test_ddp_keeps_parameters_so_an_earlier_optimizer_is_allowed(one_rank):
     [
         ("ddp", dict(mixed_precision="bf16"), "no option 'mixed_precision'.*torch.autocast"),
         ("ddp", dict(offload=True), "no option 'offload'.*offload_activations=True"),
-        ("fsdp1", dict(mesh=object()), "no option 'mesh'.*engine='fsdp2'"),
+        ("ddp", dict(mesh=object()), "no option 'mesh'.*default process group"),
         ("fsdp1", dict(offload_activations=True), "no option 'offload_activations'.*'fsdp2' or 'ddp'"),
         ("fsdp2", dict(config={}), "no option 'config'.*engine='deepspeed'"),
         ("fsdp2", dict(leaf_modules=["MLP"]), "no option 'leaf_modules'"),

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import annot
-from annot.engines.tensor_parallel import check_tensor_parallel, split_mesh, torch_style
+from annot.engines.mesh import split_mesh
+from annot.engines.tensor_parallel import check_tensor_parallel, torch_style
 from annot.policies import PlanError
 from annot.policies.tensor_parallel import model_tp_plan, resolve_tp_plan
 from tests.distributed import torchrun
@@ -224,6 +225,7 @@ def test_tp_plan_without_tp_mesh_is_refused():
 def test_mesh_with_tp_not_innermost_is_refused():
     class Mesh:  # what split_mesh reads of a DeviceMesh
         mesh_dim_names = ("tp", "shard")
+        ndim = 2
 
-    with pytest.raises(ValueError, match="must be the last"):
+    with pytest.raises(ValueError, match="out of order: replicate must be outermost and tp innermost"):
         split_mesh(Mesh())  # type: ignore[arg-type]

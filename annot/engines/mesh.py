@@ -1,0 +1,101 @@
+"""Device meshes for the engines: built from `ParallelDims`, read by dimension name.
+
+The one convention (shared with tensor parallelism): a mesh's dimensions are named
+``"replicate"``, ``"shard"`` and ``"tp"``, outermost first. A 1-D mesh is sharded over;
+an unnamed 2-D mesh is (replicate, shard) by position, as FSDP1's ``HYBRID_SHARD`` reads
+it (torch 2.13's ``fully_shard`` asks for names: FSDP2 refuses it with the fix); a named
+mesh is read by its names. Without torch 2.13's new ``dp_mesh_dims`` both torch engines
+read a 2-D mesh by position only, whatever its names say, so a mesh named otherwise, or
+in another order, is refused here rather than sharded over the wrong ranks
+(docs/design.md, pitfall 25).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from annot.policies.parallel import DIM_NAMES, ParallelDims
+
+__all__ = [
+    "MeshLike", "build_mesh", "data_parallel_mesh", "refuse_plan_dims", "resolve_mesh", "split_mesh",
+]
+
+MeshLike = DeviceMesh | ParallelDims
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The 3-D mesh ``(replicate, shard, tp)`` over the world for ``dims`` (resolved
+    against the world first: sizes that do not fit are a `ValueError`)."""
+    dims = dims.resolve(dist.get_world_size())
+    return init_device_mesh(device_type, tuple(dims.sizes.values()), mesh_dim_names=DIM_NAMES)
+
+
+def resolve_mesh(mesh: MeshLike | None, plan_dims: ParallelDims | None,
+                 device_type: str) -> DeviceMesh | None:
+    """The mesh an engine gets: ``mesh`` as given, a mesh built from `ParallelDims` (the
+    option's, else the Plan's), or ``None`` (the engine's default: every rank). Dims
+    given both ways must agree."""
+    if isinstance(mesh, ParallelDims) and plan_dims is not None and mesh != plan_dims:
+        raise ValueError(f"mesh={mesh} differs from the Plan's parallel dims {plan_dims}: "
+                         "give them in one place")
+    dims = mesh if isinstance(mesh, ParallelDims) else plan_dims if mesh is None else None
+    if dims is not None:
+        return build_mesh(dims, device_type)
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh= takes a DeviceMesh or annot.ParallelDims, not {type(mesh).__name__}")
+    return mesh
+
+
+def refuse_plan_dims(plan_dims: ParallelDims | None, engine: str, instead: str) -> None:
+    """An engine without meshes (DDP, DeepSpeed) cannot honour a Plan whose parallel
+    dims ask for replicas or tensor parallelism: refused rather than ignored."""
+    if plan_dims is not None and (plan_dims.replicate != 1 or plan_dims.tp != 1):
+        raise ValueError(f"the Plan's parallel dims {plan_dims} need a device mesh, which engine "
+                         f"{engine!r} does not take: {instead}, or plan without parallel=")
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The part of ``mesh`` that shards parameters: 1-D (shard) or 2-D (replicate,
+    shard), in the order ``fully_shard`` and FSDP1 read it. A named mesh's ``tp``
+    dimension is left to tensor parallelism, and a ``replicate`` of size 1 is dropped
+    (plain sharding). Refuses names it does not know, and dimensions out of order."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        if mesh.ndim > 2:
+            raise ValueError(f"an unnamed {mesh.ndim}-D mesh: name its dimensions "
+                             f"{', '.join(map(repr, DIM_NAMES))} (outermost first)")
+        return mesh  # 1-D: shard; 2-D: (replicate, shard) by position
+    if mesh.ndim == 1:
+        return mesh  # one dimension: shard over it, whatever it is called
+    unknown = [n for n in names if n not in DIM_NAMES]
+    if unknown or "shard" not in names:
+        raise ValueError(
+            f"mesh dimensions {names}: annot reads a named mesh by the names "
+            f"{', '.join(map(repr, DIM_NAMES))} (torch's fully_shard and FSDP1 would read a "
+            "2-D mesh by position, as (replicate, shard), whatever it is called): name them "
+            "so, or pass the data-parallel dimension alone (mesh['dp'])")
+    order = [DIM_NAMES.index(n) for n in names]
+    if order != sorted(order):
+        raise ValueError(
+            f"mesh dimensions {names} are out of order: replicate must be outermost and tp "
+            "innermost (torch's engines read (replicate, shard) by position); build it as "
+            f"init_device_mesh(..., mesh_dim_names={tuple(n for n in DIM_NAMES if n in names)})")
+    if "replicate" in names and mesh["replicate"].size() > 1:
+        return mesh["replicate", "shard"]
+    return mesh["shard"]
+
+
+def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(the data-parallel part of ``mesh`` (`data_parallel_mesh`), its ``"tp"`` dimension
+    or ``None``): ``None`` when the mesh has no ``"tp"`` dimension or one of a single rank,
+    so nothing is split. ``"tp"`` alone leaves FSDP nothing to shard over: refused."""
+    names = mesh.mesh_dim_names or ()
+    if names == ("tp",):
+        raise ValueError(
+            "mesh dimensions ('tp',): FSDP2 needs a data-parallel dimension besides 'tp'; for "
+            "tensor parallelism alone use a ('shard', 'tp') mesh of shape (1, world)")
+    data = data_parallel_mesh(mesh)
+    if "tp" in names and mesh["tp"].size() > 1:
+        return data, mesh["tp"]
+    return data, None

@@ -1,0 +1,135 @@
+"""`ParallelDims`: how many ranks each parallel dimension spans, as sizes.
+
+A layout over ``world`` ranks is three sizes whose product is the world: ``replicate``
+(data-parallel replicas, outermost, e.g. across nodes: HSDP), ``shard`` (ranks one
+replica's parameters are sharded over) and ``tp`` (tensor parallel, innermost:
+consecutive ranks), the order torchtitan uses ([dp_replicate, dp_shard, tp]). The
+names are also the dimension names of the device mesh the engines build from it
+(`annot.engines.mesh`). Pure data: no torch, so the Plan can carry it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+__all__ = ["DIM_NAMES", "ParallelDims"]
+
+#: The mesh dimension names, outermost first.
+DIM_NAMES = ("replicate", "shard", "tp")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Sizes of the parallel dimensions; ``-1`` (at most one) means "the rest of the
+    world". ``ParallelDims(replicate=2)`` on 16 ranks is HSDP: 2 replicas, each sharded
+    over 8 ranks. ``replicate=1, shard=-1, tp=1`` (the defaults) is plain sharding.
+
+    `resolve` checks the sizes against a world and fills in ``-1``: sizes whose product
+    is not the world, or a ``-1`` left with one rank (the layout asked for is not there),
+    are `ValueError`s that say which sizes fit.
+    """
+
+    replicate: int = 1
+    shard: int = -1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name, size in self.sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+                raise ValueError(f"ParallelDims({name}={size!r}): a size is a positive int, "
+                                 "or -1 for the rest of the world")
+        rest = [name for name, size in self.sizes.items() if size == -1]
+        if len(rest) > 1:
+            raise ValueError(f"ParallelDims: {' and '.join(rest)} are both -1; at most one "
+                             "dimension takes the rest of the world, give the others as sizes")
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """``{name: size}``, outermost first (``-1`` as given)."""
+        return {name: getattr(self, name) for name in DIM_NAMES}
+
+    @property
+    def resolved(self) -> bool:
+        """Whether every size is known (no ``-1``)."""
+        return -1 not in self.sizes.values()
+
+    def resolve(self, world: int) -> ParallelDims:
+        """These dims on ``world`` ranks, ``-1`` filled in; a `ValueError` naming the fix
+        when they do not fit."""
+        known = math.prod(s for s in self.sizes.values() if s != -1)
+        rest = next((name for name, size in self.sizes.items() if size == -1), None)
+        if rest is None:
+            if known != world:
+                raise ValueError(
+                    f"{self} spans {known} ranks, but the world has {world}: give sizes "
+                    f"whose product is {world}, or shard=-1 for the rest")
+            return self
+        if world % known:
+            raise ValueError(
+                f"{self} on {world} ranks: {world} is not a multiple of {known} (the product "
+                f"of the other sizes), so {rest}=-1 has no size: choose sizes that divide {world}")
+        if world // known == 1 and world > 1:
+            raise ValueError(
+                f"{self} on {world} ranks leaves {rest}=1: the other sizes already take every "
+                f"rank, so nothing is {_VERB[rest]}. Give a smaller "
+                f"{' or '.join(n for n, s in self.sizes.items() if s > 1)}, or set {rest}=1 "
+                "if that is what you mean")
+        return dataclasses.replace(self, **{rest: world // known})
+
+    @property
+    def world(self) -> int | None:
+        """The number of ranks these dims span (``None`` while a size is ``-1``)."""
+        return math.prod(self.sizes.values()) if self.resolved else None
+
+    def describe(self) -> str:
+        """``"replicate 2 x shard 4 x tp 1 (8 ranks)"``, for tables and messages."""
+        dims = " x ".join(f"{n} {'rest' if s == -1 else s}" for n, s in self.sizes.items())
+        return dims + (f" ({self.world} ranks)" if self.world is not None else "")
+
+    def meaning(self) -> str:
+        """What the layout does, in words (``"HSDP: 2 replicas, each sharded over 4 ranks"``)."""
+        sizes = self.sizes
+        shard = ("the rest of the ranks" if sizes["shard"] == -1
+                 else f"{sizes['shard']} rank{'s' if sizes['shard'] != 1 else ''}")
+        if sizes["replicate"] != 1:
+            data = (f"HSDP: {'some' if sizes['replicate'] == -1 else sizes['replicate']} replicas, "
+                    f"each sharded over {shard}")
+        else:
+            data = f"sharded over {shard}"
+        if sizes["tp"] != 1:
+            data += f", tensor parallel over {'the rest' if sizes['tp'] == -1 else sizes['tp']}"
+        return data
+
+    def __str__(self) -> str:
+        return "ParallelDims(" + ", ".join(f"{n}={s}" for n, s in self.sizes.items()) + ")"
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelDims:
+        unknown = set(data) - set(DIM_NAMES)
+        if unknown:
+            raise ValueError(f"ParallelDims has no dimension {', '.join(sorted(unknown))}; "
+                             f"it has {', '.join(DIM_NAMES)}")
+        return cls(**{k: int(v) for k, v in data.items()})
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelDims:
+        """``"replicate=2,shard=-1"`` (the ``annot plan --parallel`` syntax)."""
+        data: dict[str, Any] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, value = item.partition("=")
+            try:
+                data[name.strip()] = int(value) if sep else None
+            except ValueError:
+                data[name.strip()] = None
+            if data[name.strip()] is None:
+                raise ValueError(f"--parallel: {item!r} is not NAME=SIZE "
+                                 "(e.g. replicate=2,shard=-1)")
+        return cls.from_dict(data)
+
+
+_VERB = {"replicate": "replicated", "shard": "sharded", "tp": "split by tensor parallelism"}
