@@ -115,9 +115,11 @@ def test_dims_that_do_not_fit_are_refused_before_the_model_changes(world4, engin
                for n, p in model.named_parameters())
 
 
-def test_tensor_parallel_dims_without_tensor_parallelism_are_refused(world4):
+def test_tensor_parallel_dims_need_a_tensor_parallel_plan(world4):
     dims = annot.ParallelDims(shard=2, tp=2)
-    with pytest.raises(ValueError, match="does not cover the 4 ranks.*unsynchronised"):
+    # FSDP2 applies tensor parallelism on the "tp" dimension: the example GPT carries no
+    # plan of its own, so it needs tp_plan=.
+    with pytest.raises(annot.PlanError, match="carries no tensor-parallel plan"):
         annot.auto_wrap(gpt(), "fsdp2", mesh=dims)
     with pytest.raises(annot.EngineNotAvailableError, match="tensor parallelism is engine='fsdp2'"):
         annot.auto_wrap(gpt(), "fsdp1", mesh=dims)

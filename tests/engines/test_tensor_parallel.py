@@ -219,7 +219,7 @@ def test_local_heads_are_divided():
 
 def test_tp_plan_without_tp_mesh_is_refused():
     with pytest.raises(ValueError, match="needs mesh= with a 'tp' dimension"):
-        annot.FSDP2Options(tp_plan=gpt_rule())
+        annot.FSDP2Options(tp_plan=gpt_rule(), mesh=annot.ParallelDims(tp=1))
 
 
 def test_mesh_with_tp_not_innermost_is_refused():
