@@ -35,11 +35,11 @@ from annot.engines.base import (
     OptimizerFactory,
     Trainable,
     WrapRequest,
-    refuse_mixed_dtypes,
     resolve_dtype,
     trained_parameters,
 )
 from annot.engines.deepspeed_config import deepspeed_config
+from annot.engines.dtypes import refuse_deepspeed_dtypes
 from annot.meta.deferred import DeferredInitError
 from annot.meta.layout import FlatPart, ShardLayout
 from annot.meta.unit_allocation import UnitAllocator
@@ -184,8 +184,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
 
     def check(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions) -> None:
         plan = request.plan
-        # Not verified with DeepSpeed, so refused rather than risked.
-        refuse_mixed_dtypes(plan, self.name)
+        refuse_deepspeed_dtypes(model)
         self.config = options.config if options.config is not None else deepspeed_config(
             plan, stage=3 if options.stage is None else options.stage,
             # casts: __post_init__ made offload a str (or None), mixed_precision a dtype (or None)

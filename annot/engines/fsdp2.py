@@ -34,11 +34,11 @@ from annot.engines.base import (
     Engine,
     WrapRequest,
     checkpoint_and_offload_activations,
-    refuse_mixed_dtypes,
     refuse_nvme_marks,
     resolve_dtype,
     resolve_torch_offload,
 )
+from annot.engines.dtypes import refuse_fsdp2_dtypes
 from annot.policies import Action, Plan, Unit
 
 __all__ = [
@@ -93,7 +93,7 @@ class FSDP2(Engine[FSDP2Options]):
         plan = request.plan
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
-        refuse_mixed_dtypes(plan, self.name)
+        refuse_fsdp2_dtypes(model, plan)
         if options.mesh is not None:
             refuse_unsynchronised_mesh(model, options.mesh)
 
