@@ -105,17 +105,19 @@ def auto_wrap(
     """
     steps = get_engine(engine)                                    # 1. engine, options, model
     opts = steps.options(options, **engine_options)
-    checks.require_process_group(steps.name)
     deferred = _deferred(model)
+    plan = resolve_plan(model, policy)                            # 2. the Plan
+    request = WrapRequest(plan, checks.default_device(device), deferred,
+                          Path(load_from) if load_from is not None and deferred else None)
+    # What the engine cannot do with this model is said before asking for a process group,
+    # so it shows (and is tested) without torchrun.
+    steps.check(model, request, opts)
+    checks.require_process_group(steps.name)
     if steps.requires_optimizer and optimizer is None:
         raise ValueError(
             f"engine {steps.name!r} needs optimizer=: a function from parameters to an "
             "optimizer (e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)); DeepSpeed "
             "calls it after partitioning the model")
-    plan = resolve_plan(model, policy)                            # 2. the Plan
-    request = WrapRequest(plan, checks.default_device(device), deferred,
-                          Path(load_from) if load_from is not None and deferred else None)
-    steps.check(model, request, opts)
     if request.load_from is not None:  # shapes and dtypes from the headers, before any allocation
         check_compatible(model, request.load_from)
     checkpointed = steps.checkpoint_paths(model, plan, checkpoint)

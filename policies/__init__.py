@@ -10,7 +10,7 @@ from annot.policies.errors import AnnotError, PlanError
 from annot.policies.marks import Action, Mark
 from annot.policies.parse import parse_rule
 from annot.policies.plan import Plan, RootInfo, Unit
-from annot.policies.planner import default_policy, make_plan
+from annot.policies.planner import default_policy, make_plan, unit_parameters
 from annot.policies.policy import Override, Policy
 from annot.policies.rules import (
     Rule,
@@ -47,4 +47,5 @@ __all__ = [
     "parse_rule",
     "repeated_blocks",
     "tp_rule",
+    "unit_parameters",
 ]

@@ -3,8 +3,8 @@
 The steps, in order: pick the policy (given, else marks, else HuggingFace metadata);
 run each action's rule; apply overrides; find which shard unit owns each parameter;
 group or reject tied parameters split across units; count trainable parameters per
-unit and warn where a unit mixes dtypes (what an engine cannot shard, the engine refuses
-by name). Every error names the module paths and the fix.
+unit and warn where a unit mixes dtypes, naming the engines that take it (each engine
+refuses what it cannot shard). Every error names the module paths and the fix.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from annot.policies.rules import (
     repeated_blocks,
 )
 
-__all__ = ["default_policy", "make_plan"]
+__all__ = ["default_policy", "make_plan", "unit_parameters"]
 
 ROOT = ""
 
@@ -109,7 +109,7 @@ def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
     units = _order_bottom_up(index, units)
     tied = _tied_groups(model)
     units = _resolve_ties(index, units, tied, policy.group_tied)
-    owned = _ownership(index, units)
+    owned = _ownership(model, units)
     warnings += _dtype_warnings(index, units, owned)
     units = [_with_counts(u, owned.get(u.path, []), index) for u in units]
     root_params = owned.get(ROOT, [])
@@ -237,13 +237,21 @@ def _group(units: list[Unit], names: list[str], owners: dict[str, str]) -> list[
     return [merged if u.path == first else u for u in units if u.path not in absorbed]
 
 
-def _ownership(index: ModelIndex, units: list[Unit]) -> dict[str, list[tuple[str, nn.Parameter]]]:
+def unit_parameters(model: nn.Module, plan: Plan) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """The parameters each shard unit of ``plan`` holds in ``model`` as it is now (dtypes,
+    ``requires_grad``), by the unit's path; ``""`` holds what no unit does. This is how the
+    engines group parameters, so their checks read it rather than the Plan's counts, which
+    may be older than the model (a Plan made before freezing or casting)."""
+    return dict(_ownership(model, [u for u in plan.units if u.has(Action.SHARD)]))
+
+
+def _ownership(model: nn.Module, units: list[Unit]) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """For each shard unit (and ROOT), the distinct parameters it holds. Non-shard units
     get the parameters under them that no nested shard unit holds, for display only."""
     owned: dict[str, list[tuple[str, nn.Parameter]]] = defaultdict(list)
     shard_units = [u for u in units if u.has(Action.SHARD)]
     other_units = [u for u in units if not u.has(Action.SHARD)]
-    for name, param in index.model.named_parameters():
+    for name, param in model.named_parameters():
         module_path = parent_path(name)
         owner = _owner(shard_units, module_path)
         owned[owner].append((name, param))
@@ -257,21 +265,31 @@ def _ownership(index: ModelIndex, units: list[Unit]) -> dict[str, list[tuple[str
 def _dtype_warnings(
     index: ModelIndex, units: list[Unit], owned: dict[str, list[tuple[str, nn.Parameter]]]
 ) -> list[str]:
-    """A shard unit holding parameters of several dtypes: FSDP1 and FSDP2 flatten or
-    all-gather a unit in one dtype and refuse it (the engines say so when asked to wrap it);
-    DDP does not care. Frozen and trainable parameters may share a unit: every engine annot
-    drives trains such units (docs/design.md, pitfall 7)."""
+    """A shard unit holding parameters of several dtypes, and which engines take it: FSDP1
+    flattens a unit into one dtype, FSDP2 needs one dtype among a unit's trainable
+    parameters, DeepSpeed among all trainable parameters, DDP takes any mix (the engines
+    refuse what they cannot do when asked to wrap it: annot/engines/dtypes.py). Frozen and
+    trainable parameters may share a unit on every engine (docs/design.md, pitfall 7)."""
     warnings = []
     groups = [(u.path, u.cls) for u in units if u.has(Action.SHARD)]
     groups.append((ROOT, qualified_class_name(index.model)))
     for path, cls in groups:
-        by_dtype = _split(owned.get(path, []), lambda p: _dtype_name(p.dtype))
-        if len(by_dtype) > 1:
-            warnings.append(
-                f"{_label(path)} ({cls.rpartition('.')[2]}) mixes dtypes: {_listing(by_dtype)}. "
-                "FSDP1 and FSDP2 shard one dtype per unit (annot refuses it for DeepSpeed too; "
-                "DDP trains it): cast the module to one dtype, or make the odd parameters' "
-                "module a unit of its own (by_name(...))")
+        params = owned.get(path, [])
+        by_dtype = _split(params, lambda p: _dtype_name(p.dtype))
+        if len(by_dtype) < 2:
+            continue
+        trained = _split([(n, p) for n, p in params if p.requires_grad], lambda p: _dtype_name(p.dtype))
+        if len(trained) < 2:
+            engines = ("FSDP1 flattens a unit into one dtype and refuses it; FSDP2, DeepSpeed and "
+                       "DDP train it (its trainable parameters share one dtype)")
+        else:
+            engines = (f"its trainable parameters are {' and '.join(trained)}: only DDP trains "
+                       "that (FSDP2 needs one dtype among a unit's trainable parameters, DeepSpeed "
+                       "among all trainable ones, FSDP1 among all of a unit's)")
+        warnings.append(
+            f"{_label(path)} ({cls.rpartition('.')[2]}) mixes dtypes: {_listing(by_dtype)}. "
+            f"{engines}. To shard it anywhere, cast the module to one dtype, or make the odd "
+            "parameters' module a unit of its own (by_name(...))")
     return warnings
 
 

@@ -45,7 +45,6 @@ __all__ = [
     "WrapRequest",
     "checkpoint_and_offload_activations",
     "fill_values",
-    "refuse_mixed_dtypes",
     "refuse_nvme_marks",
     "resolve_dtype",
     "resolve_torch_offload",
@@ -222,19 +221,6 @@ def refuse_nvme_marks(plan: Plan, engine: str) -> None:
             f"the Plan offloads {', '.join(wanted)} to NVMe, but {engine} offloads to CPU at "
             "most (NVMe offload is engine='deepspeed'): pass offload=False to train without "
             "it, or mark those modules offload='cpu'")
-
-
-def refuse_mixed_dtypes(plan: Plan, engine: str) -> None:
-    """An engine that shards one dtype per unit cannot take a unit that mixes dtypes
-    (measured with torch 2.13: FSDP1 "Must flatten tensors with uniform dtype", FSDP2 an
-    assertion at the first forward; DeepSpeed is not verified with such units, so it is
-    refused too)."""
-    mixed = plan.mixed_dtype_units()
-    if mixed:
-        raise EngineNotAvailableError(
-            f"{engine} shards one dtype per unit, but {', '.join(mixed)} mix dtypes (see the "
-            "Plan's warnings): cast those modules to one dtype, or give the odd parameters' "
-            "module a unit of its own (Policy(shard=... | by_name(...))), or use engine='ddp'")
 
 
 def resolve_torch_offload(offload: bool | str | None, engine: str) -> bool | None:

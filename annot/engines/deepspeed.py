@@ -35,11 +35,11 @@ from annot.engines.base import (
     OptimizerFactory,
     Trainable,
     WrapRequest,
-    refuse_mixed_dtypes,
     resolve_dtype,
     trained_parameters,
 )
 from annot.engines.deepspeed_config import deepspeed_config
+from annot.engines.dtypes import refuse_deepspeed_dtypes
 from annot.engines.mesh import refuse_plan_dims
 from annot.meta.deferred import DeferredInitError
 from annot.meta.layout import FlatPart, ShardLayout
@@ -197,8 +197,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
 
     def check(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions) -> None:
         plan = request.plan
-        # Not verified with DeepSpeed, so refused rather than risked.
-        refuse_mixed_dtypes(plan, self.name)
+        refuse_deepspeed_dtypes(model)
         refuse_plan_dims(plan.parallel, self.name,
                          "ZeRO partitions over every rank; for partitions within a node pass "
                          "hpz_partition_size=N (ZeRO++ hpZ), or use engine='fsdp2' or 'fsdp1'")

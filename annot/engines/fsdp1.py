@@ -34,11 +34,11 @@ from torch.distributed.fsdp import (
 from annot.engines.base import (
     Engine,
     WrapRequest,
-    refuse_mixed_dtypes,
     refuse_nvme_marks,
     resolve_dtype,
     resolve_torch_offload,
 )
+from annot.engines.dtypes import refuse_fsdp1_dtypes
 from annot.engines.mesh import MeshLike, data_parallel_mesh, resolve_mesh
 from annot.engines.tool_policy import PlanPolicy
 from annot.errors import EngineNotAvailableError
@@ -107,7 +107,7 @@ class FSDP1(Engine[FSDP1Options]):
         plan = request.plan
         _refuse_groups(plan)
         _refuse_offload_on_cpu(bool(options.offload), request.device)
-        refuse_mixed_dtypes(plan, self.name)
+        refuse_fsdp1_dtypes(model, plan)
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
             if any(u.has(Action.OFFLOAD) for u in plan.units):

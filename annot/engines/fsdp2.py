@@ -39,11 +39,11 @@ from annot.engines.base import (
     Engine,
     WrapRequest,
     checkpoint_and_offload_activations,
-    refuse_mixed_dtypes,
     refuse_nvme_marks,
     resolve_dtype,
     resolve_torch_offload,
 )
+from annot.engines.dtypes import refuse_fsdp2_dtypes
 from annot.engines.mesh import MeshLike, resolve_mesh, split_mesh
 from annot.engines.tensor_parallel import (
     TP_DIM,
@@ -134,7 +134,7 @@ class FSDP2(Engine[FSDP2Options]):
         plan = request.plan
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
-        refuse_mixed_dtypes(plan, self.name)
+        refuse_fsdp2_dtypes(model, plan)
         mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type)
         if mesh is not None:
             self.mesh, self.tp_mesh = split_mesh(mesh)

@@ -1,5 +1,6 @@
 """Fine-tuning cases shared by the 2-rank worker and the single-process reference:
-a PEFT LoRA Llama, a Llama with frozen embeddings, a T5 with a frozen encoder tower.
+a PEFT LoRA Llama (fp32, and on a bf16 base with fp32 adapters), a Llama with frozen
+embeddings, a T5 with a frozen encoder tower.
 
 Each is built from the same seed in every process; the reference trains the unwrapped
 model on the union of the ranks' rows (`tests.huggingface.hf_archs.batches`), so the
@@ -41,6 +42,16 @@ def lora_llama() -> nn.Module:
     return peft.get_peft_model(base, LORA())
 
 
+def lora_bf16_llama() -> nn.Module:
+    """LoRA on a bf16 base: PEFT keeps the adapters in fp32 (``autocast_adapter_dtype``),
+    so each decoder layer holds frozen bf16 weights beside trainable fp32 ones."""
+    import peft
+
+    base = ARCHS["llama"].build().to(torch.bfloat16)
+    torch.manual_seed(SEED + 1)
+    return peft.get_peft_model(base, LORA())
+
+
 def llama_frozen_embeddings() -> nn.Module:
     model = ARCHS["llama"].build()
     model.model.embed_tokens.requires_grad_(False)
@@ -55,9 +66,15 @@ def t5_frozen_encoder() -> nn.Module:
 
 CASES: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "lora": ("llama", lora_llama),
+    "lora-bf16": ("llama", lora_bf16_llama),
     "frozen-embeddings": ("llama", llama_frozen_embeddings),
     "frozen-encoder": ("t5", t5_frozen_encoder),
 }
+
+
+# Runs an engine refuses at auto_wrap, before any process group (tests/engines/test_dtype_mixes.py):
+# FSDP1 flattens a unit into one dtype, frozen parameters included.
+REFUSED = {"lora-bf16:fsdp1"}
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:

@@ -77,7 +77,7 @@ def run_one(case: str, scenario: str, exports: Path) -> dict:
     if case == "lora":
         annot.save(trainer, target / "adapter", peft="adapter")
         annot.save(trainer, target / "merged", peft="merged")
-    else:
+    elif case != "lora-bf16":  # its training is the point; the fp32 LoRA exports cover saving
         annot.save(trainer, target / "model")
     return {"losses": losses, "params": full_parameters(trainer), "logits": logits,
             "trainable": sorted(n.replace(_FSDP1_LEVEL, "")

@@ -1,8 +1,10 @@
 """Fine-tuning as people do it, on 2 CPU ranks against one process on the union of the
-ranks' rows: a PEFT LoRA Llama, a Llama with frozen embeddings and a T5 with a frozen
-encoder tower, each on FSDP2, FSDP2 with CPU offload, FSDP1, ZeRO-2 and ZeRO-3, with
+ranks' rows: a PEFT LoRA Llama, the same on a bf16 base with fp32 adapters, a Llama with
+frozen embeddings and a T5 with a frozen encoder tower, each on FSDP2, FSDP2 with CPU
+offload, FSDP1, ZeRO-2 and ZeRO-3 (FSDP1 refuses the bf16 base: `cases.REFUSED`), with
 checkpointing. Shard units mix frozen and trainable parameters (LoRA adapters beside
-frozen base weights; the root's frozen embedding beside a trainable head)."""
+frozen base weights; the root's frozen embedding beside a trainable head), and in the
+bf16 case dtypes (frozen bf16 beside trainable fp32)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,14 @@ import pytest
 import torch
 
 from tests.distributed import torchrun
-from tests.finetune.cases import CASES, ENGINES, TOLERANCE, reference, reference_pretrained
+from tests.finetune.cases import (
+    CASES,
+    ENGINES,
+    REFUSED,
+    TOLERANCE,
+    reference,
+    reference_pretrained,
+)
 from tests.huggingface.hf_archs import ARCHS
 
 pytest.importorskip("peft")
@@ -20,7 +29,8 @@ pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("finetune_worker.py")
-RUNS = [f"{case}:{engine}" for case in CASES for engine in ENGINES]
+RUNS = [run for run in (f"{case}:{engine}" for case in CASES for engine in ENGINES)
+        if run not in REFUSED]
 PRETRAINED_RUNS = ["pretrained:fsdp2", "pretrained:zero3"]
 
 
@@ -69,6 +79,18 @@ def test_the_cases_really_mix_frozen_and_trainable_parameters_in_a_unit():
         assert mixed, case
 
 
+def test_the_bf16_case_trains_fp32_adapters_beside_frozen_bf16_weights_in_a_unit():
+    import annot
+
+    model = CASES["lora-bf16"][1]()
+    trained = {p.dtype for p in model.parameters() if p.requires_grad}
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    assert (trained, frozen) == ({torch.float32}, {torch.bfloat16})
+    plan = annot.plan(model)
+    assert [u.path for u in plan.units if set(u.bytes) == {"bfloat16", "float32"}] == [
+        u.path for u in plan.units]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_training_moved_the_trainable_parameters(references, case):
     # Otherwise matching the reference would prove nothing.
@@ -114,6 +136,8 @@ def test_the_merged_export_loads_in_transformers_with_the_trained_logits(trained
 
 @pytest.mark.parametrize("run", [r for r in RUNS if r.startswith("frozen-embeddings:")])
 def test_a_plain_save_from_every_engine_is_the_trained_model(trained, references, exports, run):
+    import json
+
     import transformers
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(exports / run / "model")
@@ -121,6 +145,25 @@ def test_a_plain_save_from_every_engine_is_the_trained_model(trained, references
     for name, param in loaded.named_parameters():
         want = want_trainable.get(name, want_frozen.get(name))
         torch.testing.assert_close(param.detach(), want, atol=TOLERANCE, rtol=0, msg=name)
+    assert json.loads((exports / run / "model" / "config.json").read_text())["use_cache"] is True
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r.startswith("frozen-encoder:")])
+def test_the_frozen_encoder_export_loads_in_transformers_with_the_trained_logits(trained, exports,
+                                                                                 run):
+    import json
+
+    import transformers
+
+    from tests.huggingface.hf_archs import probe_inputs
+
+    directory = exports / run / "model"
+    loaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(directory).eval()
+    assert type(loaded).__name__ == "T5ForConditionalGeneration"
+    with torch.no_grad():
+        logits = loaded(**probe_inputs("t5")).logits
+    torch.testing.assert_close(logits, trained[run]["logits"], atol=TOLERANCE, rtol=0)
+    assert json.loads((directory / "config.json").read_text())["use_cache"] is True
 
 
 @pytest.mark.parametrize("run", PRETRAINED_RUNS)
