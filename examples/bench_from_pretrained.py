@@ -178,14 +178,22 @@ def _import_everything(directory: str) -> None:
         importlib.import_module(module)
 
 
-def _pread_rows(directory: Path, rank: int, world: int) -> None:
-    """Read this rank's dim-0 rows of every tensor into one reused buffer."""
-    ranges = []
+def _headers(directory: Path) -> list[tuple[Path, int, dict]]:
+    """Each safetensors file of ``directory``: its path, header length and tensor entries."""
+    out = []
     for file in sorted(directory.glob("*.safetensors")):
         with open(file, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
         header.pop("__metadata__", None)
+        out.append((file, length, header))
+    return out
+
+
+def _pread_rows(directory: Path, rank: int, world: int) -> None:
+    """Read this rank's dim-0 rows of every tensor into one reused buffer."""
+    ranges = []
+    for file, length, header in _headers(directory):
         for entry in header.values():
             begin, end = entry["data_offsets"]
             rows = entry["shape"][0] if entry["shape"] else 1
@@ -288,11 +296,7 @@ def _write_floor(directory: Path, out: Path) -> float:
     import torch
 
     sizes = []
-    for file in sorted(directory.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        header.pop("__metadata__", None)
+    for _, length, header in _headers(directory):
         sizes += [8 + length] + [end - begin for begin, end in (e["data_offsets"] for e in header.values())]
     buffer = memoryview(torch.ones(max(sizes), dtype=torch.uint8).numpy()).cast("B")  # touched
     fd = os.open(out / "model.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
