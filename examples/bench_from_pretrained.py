@@ -32,6 +32,8 @@ it as safetensors into a new folder beside DIR (removed after), one launch per w
 
 - ``write`` (the floor): rank 0 writes as many bytes as DIR's file (header and every
   tensor, one ``os.pwritev`` per tensor from one preallocated, reused buffer), then fsyncs;
+- ``gather``: every rank calls ``full_tensor()`` on each FSDP2 parameter in turn and
+  drops it, nothing written: what gathering alone costs (gloo on CPU here);
 - ``annot``, ``annot_fsdp1``, ``annot_zero3``: ``annot.save(model, out)`` of what
   ``annot.from_pretrained(DIR, engine)`` returned for FSDP2, FSDP1, DeepSpeed ZeRO-3;
 - ``safetensors``: the usual recipe for the same FSDP2 model: torch's
@@ -66,12 +68,14 @@ from pathlib import Path
 WAYS = ("pread", "annot", "transformers", "rank0")
 LABELS = {"pread": "floor: pread of the rank's rows", "annot": "annot.from_pretrained fsdp2",
           "transformers": "transformers, every rank", "rank0": "rank 0 + broadcast (FSDP2)"}
-SAVE_WAYS = ("write", "annot", "safetensors", "safetensors_whole", "annot_fsdp1", "annot_zero3")
-SAVE_LABELS = {"write": "floor: pwrite + fsync, rank 0", "annot": "annot.save fsdp2",
+SAVE_WAYS = ("write", "gather", "annot", "safetensors", "safetensors_whole", "annot_fsdp1",
+             "annot_zero3")
+SAVE_LABELS = {"write": "floor: pwrite + fsync, rank 0", "gather": "FSDP2 full_tensor() only",
+               "annot": "annot.save fsdp2",
                "safetensors": "full state dict + save_file (FSDP2)",
                "safetensors_whole": "save_file of a whole model, rank 0",
                "annot_fsdp1": "annot.save fsdp1", "annot_zero3": "annot.save ZeRO-3"}
-SAVE_ENGINES = {"annot": "fsdp2", "safetensors": "fsdp2", "annot_fsdp1": "fsdp1",
+SAVE_ENGINES = {"annot": "fsdp2", "gather": "fsdp2", "safetensors": "fsdp2", "annot_fsdp1": "fsdp1",
                 "annot_zero3": "deepspeed"}
 
 
@@ -267,6 +271,9 @@ def save_worker(way: str, directory: str, out: str) -> None:
     elif way == "safetensors_whole":
         if rank == 0:
             fsync = _save_file(whole, Path(out))
+    elif way == "gather":
+        for tensor in model.state_dict().values():
+            tensor.full_tensor()
     else:
         annot.save(model, out)
     _finish(rank, base_rss, base_written, start, None, counter="write_bytes", fsync=fsync)
