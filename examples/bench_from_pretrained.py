@@ -1,6 +1,7 @@
-"""Per-rank bytes read and peak memory while loading a >= 1B-parameter HuggingFace checkpoint.
+"""Per-rank bytes, time and peak memory loading (or saving) a >= 1B-parameter HuggingFace checkpoint.
 
     python examples/bench_from_pretrained.py [--dir DIR] [--ranks 2] [--layers 22] [--cold]
+    python examples/bench_from_pretrained.py --save [--dir DIR] [--ranks 2] [--ways ...]
 
 Saves a Llama of about 1.1B parameters (TinyLlama's shape) with random fp32 weights via
 ``save_pretrained`` into DIR (a temporary directory unless given; reused when it already
@@ -25,6 +26,28 @@ time (loading and that one read). Bytes read: the ``rchar`` count of ``/proc/sel
 (every ``read``/``pread``); transformers reads safetensors through a memory map, which
 ``rchar`` does not see, so for its rows the column shows the bytes of the tensors it
 loaded, marked ``*``. Every way imports its modules before the clock starts.
+
+With ``--save`` each launch first loads the model (not timed), then times writing all of
+it as safetensors into a new folder beside DIR (removed after), one launch per way:
+
+- ``write`` (the floor): rank 0 writes as many bytes as DIR's file (header and every
+  tensor, one ``os.pwritev`` per tensor from one preallocated, reused buffer), then fsyncs;
+- ``gather``: every rank calls ``full_tensor()`` on each FSDP2 parameter in turn and
+  drops it, nothing written: what gathering alone costs (gloo on CPU here);
+- ``annot``, ``annot_fsdp1``, ``annot_zero3``: ``annot.save(model, out)`` of what
+  ``annot.from_pretrained(DIR, engine)`` returned for FSDP2, FSDP1, DeepSpeed ZeRO-3;
+- ``safetensors``: the usual recipe for the same FSDP2 model: torch's
+  ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` gathers it whole on
+  rank 0, which writes it with ``safetensors.torch.save_file``, then fsyncs;
+- ``safetensors_whole``: rank 0 already holds the whole model (transformers'
+  ``from_pretrained``, not timed) and writes it with ``save_file``, then fsyncs: the
+  library's own speed, with no gathering.
+
+Every row's time includes the fsync (annot always syncs its files and folder before it
+renames them in; the other rows call ``os.fsync`` on the file they wrote), and "fsync s"
+shows how long that call took where the bench makes it. Bytes written: the
+``write_bytes`` count of ``/proc/self/io`` (bytes sent towards the disk; the gathers'
+socket traffic does not count); GiB/s is the checkpoint's size over the time.
 """
 
 from __future__ import annotations
@@ -45,6 +68,15 @@ from pathlib import Path
 WAYS = ("pread", "annot", "transformers", "rank0")
 LABELS = {"pread": "floor: pread of the rank's rows", "annot": "annot.from_pretrained fsdp2",
           "transformers": "transformers, every rank", "rank0": "rank 0 + broadcast (FSDP2)"}
+SAVE_WAYS = ("write", "gather", "annot", "safetensors", "safetensors_whole", "annot_fsdp1",
+             "annot_zero3")
+SAVE_LABELS = {"write": "floor: pwrite + fsync, rank 0", "gather": "FSDP2 full_tensor() only",
+               "annot": "annot.save fsdp2",
+               "safetensors": "full state dict + save_file (FSDP2)",
+               "safetensors_whole": "save_file of a whole model, rank 0",
+               "annot_fsdp1": "annot.save fsdp1", "annot_zero3": "annot.save ZeRO-3"}
+SAVE_ENGINES = {"annot": "fsdp2", "gather": "fsdp2", "safetensors": "fsdp2", "annot_fsdp1": "fsdp1",
+                "annot_zero3": "deepspeed"}
 
 
 def llama_config(layers: int):
@@ -77,9 +109,10 @@ def _rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def _rchar() -> int:
+def _io(counter: str = "rchar") -> int:
+    """This process's ``rchar`` (bytes read) or another counter of ``/proc/self/io`` so far."""
     with open("/proc/self/io") as io:
-        return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
+        return next(int(line.split()[1]) for line in io if line.startswith(counter + ":"))
 
 
 def worker(way: str, directory: str) -> None:
@@ -96,7 +129,7 @@ def worker(way: str, directory: str) -> None:
     rank = dist.get_rank()
     _import_everything(directory)
     dist.barrier()
-    base_rss, base_read, start = _rss_bytes(), _rchar(), time.perf_counter()
+    base_rss, base_read, start = _rss_bytes(), _io(), time.perf_counter()
     loaded_bytes = None
     if way == "pread":
         _pread_rows(Path(directory), rank, dist.get_world_size())
@@ -149,14 +182,22 @@ def _import_everything(directory: str) -> None:
         importlib.import_module(module)
 
 
-def _pread_rows(directory: Path, rank: int, world: int) -> None:
-    """Read this rank's dim-0 rows of every tensor into one reused buffer."""
-    ranges = []
+def _headers(directory: Path) -> list[tuple[Path, int, dict]]:
+    """Each safetensors file of ``directory``: its path, header length and tensor entries."""
+    out = []
     for file in sorted(directory.glob("*.safetensors")):
         with open(file, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
         header.pop("__metadata__", None)
+        out.append((file, length, header))
+    return out
+
+
+def _pread_rows(directory: Path, rank: int, world: int) -> None:
+    """Read this rank's dim-0 rows of every tensor into one reused buffer."""
+    ranges = []
+    for file, length, header in _headers(directory):
         for entry in header.values():
             begin, end = entry["data_offsets"]
             rows = entry["shape"][0] if entry["shape"] else 1
@@ -178,14 +219,15 @@ def _pread_rows(directory: Path, rank: int, world: int) -> None:
             os.close(fd)
 
 
-def _finish(rank: int, base_rss: int, base_read: int, start: float, loaded_bytes: int | None) -> None:
+def _finish(rank: int, base_rss: int, base_io: int, start: float, loaded_bytes: int | None,
+            counter: str = "rchar", fsync: float | None = None) -> None:
     import torch.distributed as dist
 
     dist.barrier()
     elapsed = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    row = {"rank": rank, "read": _rchar() - base_read, "loaded_bytes": loaded_bytes,
-           "peak": peak, "above": peak - base_rss, "seconds": elapsed}
+    row = {"rank": rank, "read": _io(counter) - base_io, "loaded_bytes": loaded_bytes,
+           "peak": peak, "above": peak - base_rss, "seconds": elapsed, "fsync": fsync}
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -194,13 +236,96 @@ def _finish(rank: int, base_rss: int, base_read: int, start: float, loaded_bytes
     dist.destroy_process_group()
 
 
-def launch(way: str, directory: Path, ranks: int, timeout: int) -> list[dict]:
+def save_worker(way: str, directory: str, out: str) -> None:
+    """One rank of one save way: load (not timed), then save into ``out``."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import annot
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    _import_everything(directory)
+    import safetensors.torch  # noqa: F401 - imported before the clock, as every module
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model = whole = None
+    if way in SAVE_ENGINES:
+        # DeepSpeed builds its engine with an optimizer (SGD: no state to allocate).
+        extra = {"optimizer": lambda p: torch.optim.SGD(p, lr=0.1)} if way == "annot_zero3" else {}
+        model = annot.from_pretrained(directory, SAVE_ENGINES[way], **extra)
+    elif way == "safetensors_whole" and rank == 0:
+        whole = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
+    dist.barrier()
+    base_rss, base_written, start = _rss_bytes(), _io("write_bytes"), time.perf_counter()
+    fsync = None
+    if way == "write":
+        if rank == 0:
+            fsync = _write_floor(Path(directory), Path(out))
+    elif way == "safetensors":
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            fsync = _save_file(full, Path(out))
+        del full
+    elif way == "safetensors_whole":
+        if rank == 0:
+            fsync = _save_file(whole, Path(out))
+    elif way == "gather":
+        for tensor in model.state_dict().values():
+            tensor.full_tensor()
+    else:
+        annot.save(model, out)
+    _finish(rank, base_rss, base_written, start, None, counter="write_bytes", fsync=fsync)
+
+
+def _fsync_file(path: Path) -> float:
+    """fsync ``path``; returns the seconds it took."""
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def _save_file(state: dict, out: Path) -> float:
+    import safetensors.torch
+
+    safetensors.torch.save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return _fsync_file(out / "model.safetensors")
+
+
+def _write_floor(directory: Path, out: Path) -> float:
+    """Write as many bytes as ``directory``'s checkpoint holds (header, then each tensor
+    in one positioned write, from one reused buffer) and fsync; returns the fsync's seconds."""
+    import torch
+
+    sizes = []
+    for _, length, header in _headers(directory):
+        sizes += [8 + length] + [end - begin for begin, end in (e["data_offsets"] for e in header.values())]
+    buffer = memoryview(torch.ones(max(sizes), dtype=torch.uint8).numpy()).cast("B")  # touched
+    fd = os.open(out / "model.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        offset = 0
+        for n in sizes:
+            done = 0
+            while done < n:
+                done += os.pwritev(fd, [buffer[done:n]], offset + done)
+            offset += n
+    finally:
+        os.close(fd)
+    return _fsync_file(out / "model.safetensors")
+
+
+def launch(way: str, directory: Path, ranks: int, timeout: int, out: Path | None = None) -> list[dict]:
     with socket.socket() as sock:  # a free port for this launch
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
            "--master_addr=127.0.0.1", f"--master_port={port}", __file__, "--worker", way,
-           "--dir", str(directory)]
+           "--dir", str(directory)] + (["--save", "--out", str(out)] if out is not None else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
@@ -224,6 +349,56 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(x[i]) for x in (header, *rows)) for i in range(len(header))]
+    for row in (header, *rows):
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+
+
+def load_table(args: argparse.Namespace, directory: Path, ways: list[str]) -> None:
+    rows = []
+    floor: dict[int, float] = {}
+    files = sorted(directory.glob("*.safetensors"))
+    if not args.cold:
+        for file in files:  # warm: every way finds the files in the page cache
+            with open(file, "rb") as f:
+                while f.read(2**26):
+                    pass
+    for way in ways:
+        if args.cold:
+            drop_from_page_cache(files)
+        for r in launch(way, directory, args.ranks, args.timeout):
+            nbytes = r["read"] if r["loaded_bytes"] is None else r["loaded_bytes"]
+            read = gib(nbytes) if r["loaded_bytes"] is None else f"{gib(nbytes)}*"
+            floor.setdefault(r["rank"], r["seconds"])
+            rows.append((LABELS[way], str(r["rank"]), read, gib(r["peak"]), gib(r["above"]),
+                         f"{r['seconds']:.2f} s", f"{nbytes / 2**30 / r['seconds']:.2f}",
+                         f"{r['seconds'] / floor[r['rank']]:.2f}"))
+    print_table(("way", "rank", "bytes read", "peak RSS", "above start", "time", "GiB/s", "x floor"), rows)
+    print("* memory-mapped reads: the bytes of the tensors loaded, not an rchar count")
+
+
+def save_table(args: argparse.Namespace, directory: Path, ways: list[str], file_bytes: int) -> None:
+    rows = []
+    floor: dict[int, float] = {}
+    for way in ways:
+        out = Path(tempfile.mkdtemp(prefix="annot-bench-save-", dir=directory.parent))
+        try:
+            results = launch(way, directory, args.ranks, args.timeout, out=out)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        for r in results:
+            floor.setdefault(r["rank"], r["seconds"])
+            rows.append((SAVE_LABELS[way], str(r["rank"]), gib(r["read"]), gib(r["peak"]),
+                         gib(r["above"]), f"{r['seconds']:.2f} s",
+                         "-" if r["fsync"] is None else f"{r['fsync']:.2f}",
+                         f"{file_bytes / 2**30 / r['seconds']:.2f}",
+                         f"{r['seconds'] / floor[r['rank']]:.2f}"))
+    print_table(("way", "rank", "bytes written", "peak RSS", "above start", "time (with fsync)",
+                 "fsync s", "GiB/s", "x floor"), rows)
+    print("GiB/s: the checkpoint's size over the time; annot's own fsyncs are inside its time")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, help="checkpoint directory (made if absent)")
@@ -232,10 +407,19 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch")
     parser.add_argument("--cold", action="store_true",
                         help="drop the files from the page cache before every launch")
-    parser.add_argument("--worker", choices=WAYS, help=argparse.SUPPRESS)
+    parser.add_argument("--save", action="store_true", help="time saving instead of loading")
+    parser.add_argument("--ways", help="comma-separated subset of the ways (the floor first)")
+    parser.add_argument("--worker", choices=sorted({*WAYS, *SAVE_WAYS}), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        if args.save:
+            return save_worker(args.worker, str(args.dir), args.out)
         return worker(args.worker, str(args.dir))
+    known = SAVE_WAYS if args.save else WAYS
+    ways = args.ways.split(",") if args.ways else list(known)
+    if unknown := [w for w in ways if w not in known]:
+        parser.error(f"unknown ways {unknown}; choose from {', '.join(known)}")
 
     temporary = args.dir is None
     directory = args.dir or Path(tempfile.mkdtemp(prefix="annot-bench-"))
@@ -245,29 +429,10 @@ def main() -> None:
         print(f"Llama, {params / 1e9:.2f}B parameters, fp32 safetensors {gib(file_bytes)} "
               f"in {directory}; {args.ranks} CPU ranks (gloo); ideal shard "
               f"{gib(file_bytes / args.ranks)}")
-        header = ("way", "rank", "bytes read", "peak RSS", "above start", "time", "GiB/s", "x floor")
-        rows = []
-        floor: dict[int, float] = {}
-        files = sorted(directory.glob("*.safetensors"))
-        if not args.cold:
-            for file in files:  # warm: every way finds the files in the page cache
-                with open(file, "rb") as f:
-                    while f.read(2**26):
-                        pass
-        for way in WAYS:
-            if args.cold:
-                drop_from_page_cache(files)
-            for r in launch(way, directory, args.ranks, args.timeout):
-                nbytes = r["read"] if r["loaded_bytes"] is None else r["loaded_bytes"]
-                read = gib(nbytes) if r["loaded_bytes"] is None else f"{gib(nbytes)}*"
-                floor.setdefault(r["rank"], r["seconds"])
-                rows.append((LABELS[way], str(r["rank"]), read, gib(r["peak"]), gib(r["above"]),
-                             f"{r['seconds']:.2f} s", f"{nbytes / 2**30 / r['seconds']:.2f}",
-                             f"{r['seconds'] / floor[r['rank']]:.2f}"))
-        widths = [max(len(x[i]) for x in (header, *rows)) for i in range(len(header))]
-        for row in (header, *rows):
-            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
-        print("* memory-mapped reads: the bytes of the tensors loaded, not an rchar count")
+        if args.save:
+            save_table(args, directory, ways, file_bytes)
+        else:
+            load_table(args, directory, ways)
     finally:
         if temporary:
             shutil.rmtree(directory, ignore_errors=True)

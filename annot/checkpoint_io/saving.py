@@ -4,8 +4,9 @@ PEFT model, PEFT's adapter format or the merged base model.
 A save is a list of `Entry` (a name, the full shape and dtype, and how to fetch the whole
 tensor). Tensors are fetched one at a time (a DTensor's ``full_tensor()``, or the
 engine's gather for a flat-sharded parameter) and rank 0 streams each straight into its
-file, so no rank ever holds more than one full tensor (FSDP1: one unit). A save that fails
-leaves nothing half-written where the checkpoint should be.
+file on a writer thread, so no rank ever holds more than two full tensors (`IN_FLIGHT`:
+one being written while the next is gathered; FSDP1 also one unit while it gathers). A
+save that fails leaves nothing half-written where the checkpoint should be.
 
 The files are staged in a hidden folder inside ``directory`` and moved in by
 `annot.checkpoint_io.weights_commit`: only the checkpoint's own files (weights, index, configs)
@@ -20,7 +21,9 @@ import json
 import math
 import os
 import shutil
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -114,43 +117,81 @@ def _tensors(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Tensor]:
     return out
 
 
+IN_FLIGHT = 2  # whole tensors alive on a rank at once during a save: one written, one gathered
+
+
 def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], torch.dtype], *,
            max_shard_bytes: int | None, single: str,
            extra: Callable[[Path], Any] | None) -> list[Path]:
     """Stream ``entries`` into safetensors files staged inside ``directory`` (rank 0), add
-    what ``extra(staged)`` writes (configs), then commit them (`commit_weights`)."""
+    what ``extra(staged)`` writes (configs), then commit them (`commit_weights`).
+
+    Every rank gathers on this thread, in entry order (the gathers are collective); rank
+    0 hands each whole tensor to one writer thread, which casts and writes it while the
+    next one is gathered (file writes and gathers release the GIL). Before each gather
+    the main thread waits until at most ``IN_FLIGHT - 1`` tensors are still queued or
+    being written, so no rank holds more than `IN_FLIGHT` whole tensors at once (plus,
+    while one is cast to ``out_dtype``, its converted copy). A file is closed (and
+    fsynced) on the writer thread too, behind the next file's gathers."""
     rank = rank_and_world()[0]
     shards = _split(entries, max_shard_bytes, out_dtype)
     names = [single if len(shards) == 1 else _shard_name(i, len(shards)) for i in range(len(shards))]
     created = not directory.exists()
     staged = staging(directory) if rank == 0 else None
+    pool = ThreadPoolExecutor(1, thread_name_prefix="annot-save") if staged is not None else None
+    pending: deque[Future[None]] = deque()  # tensor writes not yet done
+    closing: list[Future[None]] = []
+    writers: list[SafetensorsWriter] = []
     try:
         with Progress("saving", len(entries)) as progress:
             for name, shard in zip(names, shards, strict=True):
                 writer = None
                 if staged is not None:
                     writer = SafetensorsWriter(staged / name, [(e.name, e.shape, out_dtype(e)) for e in shard])
+                    writers.append(writer)
                 for entry in shard:
-                    full = entry.fetch()  # collective for sharded tensors: every rank calls
-                    if writer is not None:
-                        writer.write(entry.name, full.to(out_dtype(entry)))
+                    while len(pending) >= IN_FLIGHT:  # the gather below makes one more
+                        pending.popleft().result()
+                    full = [entry.fetch()]  # collective for sharded tensors: every rank calls
+                    if writer is not None and pool is not None:
+                        pending.append(pool.submit(_cast_and_write, writer, entry.name, full,
+                                                   out_dtype(entry)))
+                    del full  # now only the writer thread holds it
                     progress.advance()
-                if writer is not None:
-                    writer.close()
+                if writer is not None and pool is not None:
+                    closing.append(pool.submit(writer.close))
+        for future in [*pending, *closing]:
+            future.result()
         if staged is not None:
             _write_index(staged, shards, names, out_dtype)
             if extra is not None:
                 extra(staged)
             commit_weights(directory, staged, single, INDEX)
     except BaseException:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)  # no write runs on while we clean up
+        for writer in writers:
+            writer.abort()
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
             if created:  # a folder this save made, now empty again
                 with contextlib.suppress(OSError):
                     directory.rmdir()
         raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     barrier()
     return [directory / name for name in names]
+
+
+def _cast_and_write(writer: SafetensorsWriter, name: str, box: list[torch.Tensor],
+                    dtype: torch.dtype) -> None:
+    """Write the tensor in ``box``, taken out so that it is freed when this returns: the
+    executor keeps a task's arguments a moment after its future is done, and the main
+    thread counts a tensor as gone once its future is."""
+    full = box.pop()
+    writer.write(name, full.to(dtype))
 
 
 def _nbytes(entry: Entry, out_dtype: Callable[[Entry], torch.dtype]) -> int:

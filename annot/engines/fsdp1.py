@@ -193,12 +193,25 @@ def shard_layout(model: nn.Module) -> ShardLayout:
             f"{type(model).__name__} holds FSDP1 units but is not the FullyShardedDataParallel "
             "root: pass what auto_wrap returned (or its Trainable)")
 
+    # The last unit gathered: its flat parameter's version then, and copies of its
+    # parameters not asked for yet. A save asks for a unit's parameters one after another,
+    # so one all-gather serves the whole unit (gathering it again per parameter made an
+    # FSDP1 save about 8x slower than ZeRO-3's, measured); at most one unit is kept.
+    cache: dict[int, torch.Tensor] = {}
+    gathered: list[tuple[FullyShardedDataParallel, int]] = []
+
     def gather(param: torch.Tensor) -> torch.Tensor:
-        # The owning unit's full parameters exist only inside this block (one unit at a
-        # time); the original parameter is then a view of its whole value.
-        with FullyShardedDataParallel.summon_full_params(owners[id(param)], recurse=False,
-                                                         writeback=False):
-            return param.detach().clone()
+        owner = owners[id(param)]
+        flat = owner._handle.flat_param  # type: ignore[union-attr]  # owners have a handle
+        if id(param) not in cache or gathered != [(owner, flat._version)]:  # stale: changed since
+            cache.clear()
+            gathered[:] = [(owner, flat._version)]
+            # The unit's full parameters exist only inside this block; each original
+            # parameter is then a view of its whole value.
+            with FullyShardedDataParallel.summon_full_params(owner, recurse=False, writeback=False):
+                for p in flat._params or ():
+                    cache[id(p)] = p.detach().clone()
+        return cache.pop(id(param))
 
     return ShardLayout(parts, frozenset({WRAPPED_MODULE}), "fsdp1", gather)
 

@@ -78,10 +78,11 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
         model.to_empty(device=device or _sharded_device(model) or "cpu")
         _retie(model, record)
         targets = _targets(model, record)
-    skipped_groups = _skippable({record.group_of[record.tensors[n]] for n in skip}, record)
+    refs = _op_refs(record)
+    skipped_groups = _skippable({record.group_of[record.tensors[n]] for n in skip}, record, refs)
     # A tied name skipped means its twin is filled from the checkpoint too.
     fill = {n: t for n, t in targets.items() if record.group_of[record.tensors[n]] not in skipped_groups}
-    stats = _replay(record, fill, progress, skipped_groups, layout.parts)
+    stats = _replay(record, refs, fill, progress, skipped_groups, layout.parts)
     module_state(model).replay_stats = stats
     record.pending = False
     leftover = [n for n, t in _targets(model, record).items() if local(t).is_meta]
@@ -105,16 +106,31 @@ def _targets(model: nn.Module, record: DeferredInit) -> dict[str, torch.Tensor]:
     return out
 
 
-def _skippable(groups: set[int], record: DeferredInit) -> set[int]:
+_OpRefs = tuple[list[Ref], list[Any]]
+
+
+def _op_refs(record: DeferredInit) -> list[_OpRefs]:
+    """Each operation's tensor inputs (the `Ref`s of its args and kwargs, in order) and
+    its flattened outputs, flattened once: flattening every operation again in each pass
+    below took about 0.3 s of a 1.1B Llama's load (profiled)."""
+    return [([x for x in tree_flatten((op.args, op.kwargs))[0] if isinstance(x, Ref)], tree_flatten(op.out)[0])
+            for op in record.ops]
+
+
+def _touched(op_refs: _OpRefs) -> list[Ref]:
+    inputs, outputs = op_refs
+    return inputs + [r for r in outputs if isinstance(r, Ref)]
+
+
+def _skippable(groups: set[int], record: DeferredInit, refs: list[_OpRefs]) -> set[int]:
     """The groups whose initialization can be left out: not read by any operation that
     also produces something kept (a buffer computed from a weight must see real values)."""
     groups = set(groups)
     changed = True
     while changed:
         changed = False
-        for op in record.ops:
-            touched = {record.group_of[r.index] for r in tree_flatten((op.args, op.kwargs, op.out))[0]
-                       if isinstance(r, Ref)}
+        for op_refs in refs:
+            touched = {record.group_of[r.index] for r in _touched(op_refs)}
             if touched & groups and touched - groups:
                 groups -= touched
                 changed = True
@@ -189,20 +205,19 @@ class _Schedule:
     what ``reset_parameters`` already filled). A dead write still runs, for its random
     numbers, but into a scratch tensor that is dropped at once."""
 
-    def __init__(self, record: DeferredInit) -> None:
+    def __init__(self, record: DeferredInit, refs: list[_OpRefs]) -> None:
         self.last_use: dict[int, int] = {}
         self.dead: set[int] = set()
         self.target: dict[int, int] = {}  # op index -> ref index it overwrites
         events: dict[int, list[tuple[int, str]]] = defaultdict(list)
-        for i, op in enumerate(record.ops):
+        for i, (op, (inputs, outputs)) in enumerate(zip(record.ops, refs, strict=True)):
             overwritten = self._overwritten(op, record)
             touched: dict[int, str] = {}
-            for leaf in tree_flatten((op.args, op.kwargs))[0]:
-                if isinstance(leaf, Ref):
-                    group = record.group_of[leaf.index]
-                    kind = "w" if overwritten is not None and leaf == overwritten else "r"
-                    touched[group] = "r" if touched.get(group) == "r" else kind
-            for leaf in tree_flatten(op.out)[0]:
+            for leaf in inputs:
+                group = record.group_of[leaf.index]
+                kind = "w" if overwritten is not None and leaf == overwritten else "r"
+                touched[group] = "r" if touched.get(group) == "r" else kind
+            for leaf in outputs:
                 if isinstance(leaf, Ref):
                     touched.setdefault(record.group_of[leaf.index], "w" if op.func in UNINITIALIZED else "r")
             for group, kind in touched.items():
@@ -222,10 +237,10 @@ class _Schedule:
         return op.args[0] if record.layout[op.args[0].index].whole else None
 
 
-def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool | None,
+def _replay(record: DeferredInit, refs: list[_OpRefs], targets: dict[str, torch.Tensor], show: bool | None,
             skipped: set[int] | None = None,
             flat_parts: Mapping[int, list[FlatPart]] | None = None) -> ReplayStats:
-    schedule = _Schedule(record)
+    schedule = _Schedule(record, refs)
     names_by_group: dict[int, list[str]] = defaultdict(list)
     for name, ref in record.tensors.items():
         names_by_group[record.group_of[ref]].append(name)
@@ -255,8 +270,8 @@ def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool |
     def is_lazy(x: Any) -> bool:
         return isinstance(x, Ref) and x.index in lazy
 
-    def remember(op: Any, result: Any) -> None:
-        for position, ref in enumerate(tree_flatten(op.out)[0]):
+    def remember(op: Any, outputs: list[Any], result: Any) -> None:
+        for position, ref in enumerate(outputs):
             if isinstance(ref, Ref) and ref.index not in env and ref.index not in lazy:
                 refs_of[record.group_of[ref.index]].append(ref.index)
                 if result is None:
@@ -269,17 +284,17 @@ def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool |
     total = len(record.ops)
     try:
         with torch.no_grad(), Progress("materializing", total, show=show) as progress:
-            for i, op in enumerate(record.ops):
+            for i, (op, op_refs) in enumerate(zip(record.ops, refs, strict=True)):
                 if op.rng_state is not None:  # the constructor seeded here (torch.manual_seed)
                     torch.set_rng_state(op.rng_state)
-                touched = [r for r in tree_flatten((op.args, op.kwargs, op.out))[0] if isinstance(r, Ref)]
+                touched = _touched(op_refs)
                 if skipped and touched and all(record.group_of[r.index] in skipped for r in touched):
                     continue  # initializes only what a checkpoint will overwrite
-                tensor_args = [a for a in tree_flatten((op.args, op.kwargs))[0] if isinstance(a, Ref)]
+                tensor_args, outputs = op_refs
                 aliasing = all(r.alias_info is not None and not r.alias_info.is_write
                                for r in op.func._schema.returns)
                 if op.func in UNINITIALIZED or (aliasing and tensor_args and all(map(is_lazy, tensor_args))):
-                    remember(op, None)  # allocate later, when contents are needed
+                    remember(op, outputs, None)  # allocate later, when contents are needed
                 elif i in schedule.dead:
                     layout = record.layout[schedule.target[i]]
                     scratch = torch.empty_strided(layout.shape, layout.stride, dtype=layout.dtype)
@@ -289,7 +304,7 @@ def _replay(record: DeferredInit, targets: dict[str, torch.Tensor], show: bool |
                     stats.peak_bytes = max(stats.peak_bytes, _alive_bytes(env) + storage.nbytes())
                     del scratch, storage  # before the next op allocates: one full tensor at a time
                 else:
-                    remember(op, op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs)))
+                    remember(op, outputs, op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs)))
                 # A scratch still referenced here would overlap the next allocation: count it.
                 scratches = [(ref, n) for ref, n in scratches if not ref.expired()]
                 stats.peak_bytes = max(stats.peak_bytes, _alive_bytes(env) + sum(n for _, n in scratches))

@@ -1,13 +1,16 @@
 """Run by test_checkpoint_io_distributed.py under torchrun: build the example GPT under
 meta_init and let `auto_wrap(engine, load_from=checkpoint)` allocate it unit by unit
 (FSDP1, or DeepSpeed ZeRO-3) and load it, each rank reading the rows its shards cover.
-Saves from rank 0 the gathered full parameters, buffers and each rank's bytes read.
+Saves from rank 0 the gathered full parameters, buffers and each rank's bytes read; then
+`annot.save`s the sharded model to ``saved-ENGINE`` beside SOURCE.
 
     torchrun ... flat_checkpoint_worker.py OUT SOURCE ENGINE [ENGINE ...]   (fsdp1, zero3)
 
 Each engine in turn, in one launch; OUT holds one such record per engine."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,14 +39,14 @@ def loaded(engine: str, source: str, reports: list) -> dict:
     if engine == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        wrapped = annot.auto_wrap(model, "fsdp1", load_from=source)
+        wrapped = trainer = annot.auto_wrap(model, "fsdp1", load_from=source)
         with FullyShardedDataParallel.summon_full_params(wrapped):
             full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
                     for n, p in model.named_parameters()}
     else:
         import deepspeed
 
-        annot.auto_wrap(model, "deepspeed", config=annot.deepspeed_config(model, stage=3),
+        trainer = annot.auto_wrap(model, "deepspeed", config=annot.deepspeed_config(model, stage=3),
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
                         load_from=source)
         full = {}
@@ -52,6 +55,8 @@ def loaded(engine: str, source: str, reports: list) -> dict:
                 full[name] = param.detach().clone()
     buffers = {n.replace("_fsdp_wrapped_module.", ""): b.clone() for n, b in model.named_buffers()}
     assert len(reports) == 1 and not reports[0].missing and not reports[0].unexpected, reports
+    # Several files, so a save crosses from one file (its close and fsync) to the next.
+    annot.save(trainer, Path(source).parent / f"saved-{engine}", max_shard_bytes=100_000)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, reports[0].bytes_read)
     return {"params": full, "buffers": buffers, "bytes_read": gathered}

@@ -53,7 +53,7 @@ def flat_loads(tmp_path_factory) -> tuple[GPT, dict[str, dict]]:
                if e != "zero3" or importlib.util.find_spec("deepspeed") is not None]
     torchrun(FLAT_WORKER, str(tmp_path / "out.pt"), str(tmp_path / "source"), *engines,
              timeout=300 * len(engines))
-    return source, torch.load(tmp_path / "out.pt")
+    return source, torch.load(tmp_path / "out.pt") | {"dir": tmp_path}
 
 
 @pytest.mark.distributed
@@ -71,3 +71,18 @@ def test_fsdp1_and_zero3_load_each_rank_reads_about_its_half(engine, flat_loads)
     # Flat shards split rows: a rank reads the rows its range covers, partial rows whole.
     for read in got["bytes_read"]:
         assert 0.45 * total <= read <= 0.6 * total, (got["bytes_read"], total)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine", FLAT_ENGINES)
+def test_fsdp1_and_zero3_save_the_files_one_process_saves(engine, flat_loads):
+    """Byte for byte: FSDP1 gathers each unit once for all its parameters, ZeRO-3 one
+    parameter at a time, and the writer thread writes behind the gathers."""
+    if engine == "zero3":
+        pytest.importorskip("deepspeed")
+    source, loads = flat_loads
+    annot.save(source, loads["dir"] / "single", max_shard_bytes=100_000, overwrite=True)
+    single = sorted((loads["dir"] / "single").iterdir())
+    saved = sorted((loads["dir"] / f"saved-{engine}").iterdir())
+    assert len(single) > 2 and [p.name for p in single] == [p.name for p in saved]
+    assert [p.name for p, q in zip(single, saved, strict=True) if p.read_bytes() != q.read_bytes()] == []
