@@ -116,22 +116,27 @@ def test_the_adapter_export_loads_in_peft_with_the_trained_logits(trained, expor
     assert not (exports / run / "adapter" / "config.json").exists()  # PEFT's files only
 
 
-@pytest.mark.parametrize("run", LORA_RUNS)
-def test_the_merged_export_loads_in_transformers_with_the_trained_logits(trained, exports, run):
+def _loaded_logits(directory, auto_class: str, arch: str, expected_class: str) -> torch.Tensor:
+    """Logits of the probe inputs from ``directory`` loaded by transformers itself, after
+    checking the class it chose and that config.json keeps ``use_cache`` as the user had it."""
     import json
 
     import transformers
 
     from tests.huggingface.hf_archs import probe_inputs
 
-    directory = exports / run / "merged"
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-    assert type(loaded).__name__ == "LlamaForCausalLM"
+    loaded = getattr(transformers, auto_class).from_pretrained(directory).eval()
+    assert type(loaded).__name__ == expected_class
+    assert json.loads((directory / "config.json").read_text())["use_cache"] is True
     with torch.no_grad():
-        logits = loaded(**probe_inputs("llama")).logits
+        return loaded(**probe_inputs(arch)).logits
+
+
+@pytest.mark.parametrize("run", LORA_RUNS)
+def test_the_merged_export_loads_in_transformers_with_the_trained_logits(trained, exports, run):
+    logits = _loaded_logits(exports / run / "merged", "AutoModelForCausalLM", "llama", "LlamaForCausalLM")
     # Merging adds B @ A into W: the same sums in another order.
     torch.testing.assert_close(logits, trained[run]["logits"], atol=TOLERANCE, rtol=0)
-    assert json.loads((directory / "config.json").read_text())["use_cache"] is True
 
 
 @pytest.mark.parametrize("run", [r for r in RUNS if r.startswith("frozen-embeddings:")])
@@ -151,19 +156,9 @@ def test_a_plain_save_from_every_engine_is_the_trained_model(trained, references
 @pytest.mark.parametrize("run", [r for r in RUNS if r.startswith("frozen-encoder:")])
 def test_the_frozen_encoder_export_loads_in_transformers_with_the_trained_logits(trained, exports,
                                                                                  run):
-    import json
-
-    import transformers
-
-    from tests.huggingface.hf_archs import probe_inputs
-
-    directory = exports / run / "model"
-    loaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(directory).eval()
-    assert type(loaded).__name__ == "T5ForConditionalGeneration"
-    with torch.no_grad():
-        logits = loaded(**probe_inputs("t5")).logits
+    logits = _loaded_logits(exports / run / "model", "AutoModelForSeq2SeqLM", "t5",
+                            "T5ForConditionalGeneration")
     torch.testing.assert_close(logits, trained[run]["logits"], atol=TOLERANCE, rtol=0)
-    assert json.loads((directory / "config.json").read_text())["use_cache"] is True
 
 
 @pytest.mark.parametrize("run", PRETRAINED_RUNS)
