@@ -72,9 +72,10 @@ CASES: dict[str, tuple[str, Callable[[], nn.Module]]] = {
 }
 
 
-# Runs an engine refuses at auto_wrap, before any process group (tests/engines/test_dtype_mixes.py):
-# FSDP1 flattens a unit into one dtype, frozen parameters included.
-REFUSED = {"lora-bf16:fsdp1"}
+# Runs not launched: FSDP1 refuses LoRA on a bf16 base at auto_wrap, before any process
+# group (a FlatParameter has one dtype; tests/engines/test_dtype_mixes.py); its FSDP2 CPU
+# offload run is left out for suite time (plain FSDP2 covers its dtype checks and collectives).
+NOT_LAUNCHED = {"lora-bf16:fsdp1", "lora-bf16:fsdp2-offload"}
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
