@@ -14,10 +14,12 @@ What decides it (torch 2.13, DeepSpeed 0.19; docs/design.md, pitfall 7):
   ``FlatParameter`` (``FlatParamHandle._validate_tensors_to_flatten``: "Must flatten
   tensors with uniform dtype"), with ``use_orig_params`` or without.
 - DeepSpeed ZeRO: one dtype among all trainable parameters of the model, whatever the
-  units: its optimizer keeps them in flat buffers of one dtype (stages 1-2 take the
-  first trainable parameter's dtype for all of them; stage 3's ``defragment`` asserts
-  one). Frozen parameters stay outside those buffers; ZeRO-3 gathers them per dtype
-  (``_all_gather_coalesced``).
+  units: its optimizer keeps them in flat buffers of one dtype (stages 1-2 flatten each
+  parameter group with one cat and size it, and the optimizer's ``self.dtype``, by the
+  first trainable parameter; stage 3's ``defragment`` asserts one dtype over all
+  trainable partitions). Frozen parameters stay outside those buffers; ZeRO-3 gathers
+  them per dtype (``_all_gather_coalesced``). Checked without a bf16/fp16 config; with
+  one, DeepSpeed casts every parameter to it at ``initialize``.
 - DDP: any mix (its buckets are per dtype); nothing to refuse.
 
 Which parameters are trainable is read when `auto_wrap` runs. Unfreezing a parameter of

@@ -72,9 +72,12 @@ CASES: dict[str, tuple[str, Callable[[], nn.Module]]] = {
 }
 
 
-# Runs an engine refuses at auto_wrap, before any process group (tests/engines/test_dtype_mixes.py):
-# FSDP1 flattens a unit into one dtype, frozen parameters included.
-REFUSED = {"lora-bf16:fsdp1"}
+# Runs not launched: FSDP1 refuses LoRA on a bf16 base at auto_wrap, before any process
+# group (a FlatParameter has one dtype; tests/engines/test_dtype_mixes.py). Its FSDP2 CPU
+# offload and ZeRO-2 runs are left out for suite time: ZeRO-2 keeps frozen parameters whole
+# and outside its optimizer, so the bf16 weights never reach its flat buffers or gradient
+# reduction (ZeRO-3 partitions and gathers them); both matched one process when run by hand.
+NOT_LAUNCHED = {"lora-bf16:fsdp1", "lora-bf16:fsdp2-offload", "lora-bf16:zero2"}
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:

@@ -1,13 +1,14 @@
 """Fine-tuning as people do it, on 2 CPU ranks against one process on the union of the
 ranks' rows: a PEFT LoRA Llama, the same on a bf16 base with fp32 adapters, a Llama with
 frozen embeddings and a T5 with a frozen encoder tower, each on FSDP2, FSDP2 with CPU
-offload, FSDP1, ZeRO-2 and ZeRO-3 (FSDP1 refuses the bf16 base: `cases.REFUSED`), with
+offload, FSDP1, ZeRO-2 and ZeRO-3 (less `cases.NOT_LAUNCHED`: FSDP1 refuses the bf16 base), with
 checkpointing. Shard units mix frozen and trainable parameters (LoRA adapters beside
 frozen base weights; the root's frozen embedding beside a trainable head), and in the
 bf16 case dtypes (frozen bf16 beside trainable fp32)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from tests.distributed import torchrun
 from tests.finetune.cases import (
     CASES,
     ENGINES,
-    REFUSED,
+    NOT_LAUNCHED,
     TOLERANCE,
     reference,
     reference_pretrained,
@@ -30,7 +31,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("finetune_worker.py")
 RUNS = [run for run in (f"{case}:{engine}" for case in CASES for engine in ENGINES)
-        if run not in REFUSED]
+        if run not in NOT_LAUNCHED]
 PRETRAINED_RUNS = ["pretrained:fsdp2", "pretrained:zero3"]
 
 
@@ -116,33 +117,32 @@ def test_the_adapter_export_loads_in_peft_with_the_trained_logits(trained, expor
     assert not (exports / run / "adapter" / "config.json").exists()  # PEFT's files only
 
 
-def _loaded_logits(directory, auto_class: str, arch: str, expected_class: str) -> torch.Tensor:
-    """Logits of the probe inputs from ``directory`` loaded by transformers itself, after
-    checking the class it chose and that config.json keeps ``use_cache`` as the user had it."""
-    import json
-
+def assert_loads_with_the_trained_logits(directory: Path, auto_class: str, model_class: str,
+                                         arch: str, trained_logits: torch.Tensor) -> None:
+    """transformers' ``auto_class`` loads ``directory`` as ``model_class``, whose logits on
+    the probe batch are the trained sharded model's; config.json keeps the user's
+    ``use_cache`` (True), not the training setting."""
     import transformers
 
     from tests.huggingface.hf_archs import probe_inputs
 
     loaded = getattr(transformers, auto_class).from_pretrained(directory).eval()
-    assert type(loaded).__name__ == expected_class
-    assert json.loads((directory / "config.json").read_text())["use_cache"] is True
+    assert type(loaded).__name__ == model_class
     with torch.no_grad():
-        return loaded(**probe_inputs(arch)).logits
+        logits = loaded(**probe_inputs(arch)).logits
+    torch.testing.assert_close(logits, trained_logits, atol=TOLERANCE, rtol=0)
+    assert json.loads((directory / "config.json").read_text())["use_cache"] is True
 
 
 @pytest.mark.parametrize("run", LORA_RUNS)
 def test_the_merged_export_loads_in_transformers_with_the_trained_logits(trained, exports, run):
-    logits = _loaded_logits(exports / run / "merged", "AutoModelForCausalLM", "llama", "LlamaForCausalLM")
     # Merging adds B @ A into W: the same sums in another order.
-    torch.testing.assert_close(logits, trained[run]["logits"], atol=TOLERANCE, rtol=0)
+    assert_loads_with_the_trained_logits(exports / run / "merged", "AutoModelForCausalLM",
+                                         "LlamaForCausalLM", "llama", trained[run]["logits"])
 
 
 @pytest.mark.parametrize("run", [r for r in RUNS if r.startswith("frozen-embeddings:")])
 def test_a_plain_save_from_every_engine_is_the_trained_model(trained, references, exports, run):
-    import json
-
     import transformers
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(exports / run / "model")
@@ -156,9 +156,8 @@ def test_a_plain_save_from_every_engine_is_the_trained_model(trained, references
 @pytest.mark.parametrize("run", [r for r in RUNS if r.startswith("frozen-encoder:")])
 def test_the_frozen_encoder_export_loads_in_transformers_with_the_trained_logits(trained, exports,
                                                                                  run):
-    logits = _loaded_logits(exports / run / "model", "AutoModelForSeq2SeqLM", "t5",
-                            "T5ForConditionalGeneration")
-    torch.testing.assert_close(logits, trained[run]["logits"], atol=TOLERANCE, rtol=0)
+    assert_loads_with_the_trained_logits(exports / run / "model", "AutoModelForSeq2SeqLM",
+                                         "T5ForConditionalGeneration", "t5", trained[run]["logits"])
 
 
 @pytest.mark.parametrize("run", PRETRAINED_RUNS)
