@@ -66,9 +66,12 @@ class SafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        self.offset = 0
-        self._put(memoryview(struct.pack("<Q", len(raw)) + raw))
-        self.next = 0
+        self.offset = self.next = 0
+        try:
+            self._put(memoryview(struct.pack("<Q", len(raw)) + raw))
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected = self.order[self.next]
