@@ -114,7 +114,7 @@ class FSDP1(Engine[FSDP1Options]):
                 raise EngineNotAvailableError(
                     "the Plan offloads some units, but FSDP1 offloads all parameters or none: "
                     "pass offload=True or offload=False, or use engine='fsdp2'")
-        mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type)
+        mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type, self.name)
         if mesh is not None:
             self.mesh = _whole_world_mesh(data_parallel_mesh(mesh))
 

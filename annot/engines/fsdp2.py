@@ -47,6 +47,7 @@ from annot.engines.dtypes import refuse_fsdp2_dtypes
 from annot.engines.mesh import MeshLike, resolve_mesh, split_mesh
 from annot.engines.tensor_parallel import (
     TP_DIM,
+    TensorParallelPlan,
     TPSource,
     apply_tensor_parallel,
     check_tensor_parallel,
@@ -126,16 +127,17 @@ class FSDP2(Engine[FSDP2Options]):
 
     def __init__(self) -> None:
         #: The data-parallel and tensor-parallel meshes `check` resolved (``None``: every
-        #: rank, 1-D; no tensor parallelism).
+        #: rank, 1-D; no tensor parallelism), and the tensor-parallel plan it checked.
         self.mesh: DeviceMesh | None = None
         self.tp_mesh: DeviceMesh | None = None
+        self.tp_plan: TensorParallelPlan | None = None
 
     def check(self, model: nn.Module, request: WrapRequest, options: FSDP2Options) -> None:
         plan = request.plan
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
         refuse_fsdp2_dtypes(model, plan)
-        mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type)
+        mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type, self.name)
         if mesh is not None:
             self.mesh, self.tp_mesh = split_mesh(mesh)
             if self.mesh.ndim == 2 and self.mesh.mesh_dim_names is None:
@@ -146,15 +148,15 @@ class FSDP2(Engine[FSDP2Options]):
                     "mesh=annot.ParallelDims(replicate=...)")
             refuse_unsynchronised_mesh(model, mesh)
         if self.tp_mesh is not None:
-            check_tensor_parallel(model, options.tp_plan, self.tp_mesh.size())
+            self.tp_plan = check_tensor_parallel(model, options.tp_plan, self.tp_mesh.size())
         elif options.tp_plan is not None:
             raise ValueError(_TP_PLAN_NEEDS_TP)
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: FSDP2Options,
                 checkpoint_paths: Sequence[str]) -> None:
-        if self.tp_mesh is not None:  # before checkpointing and sharding (torchtitan's order)
-            plan = check_tensor_parallel(model, options.tp_plan, self.tp_mesh.size())
-            apply_tensor_parallel(model, plan, self.tp_mesh)
+        if self.tp_mesh is not None and self.tp_plan is not None:
+            # before checkpointing and sharding (torchtitan's order)
+            apply_tensor_parallel(model, self.tp_plan, self.tp_mesh)
         # The Plan's offload marks mean parameter offload here; activation offload is asked
         # for explicitly.
         checkpoint_and_offload_activations(model, request.plan, checkpoint_paths,

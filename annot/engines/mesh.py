@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from annot.engines.checks import require_process_group
 from annot.policies.parallel import DIM_NAMES, ParallelDims
 
 __all__ = [
@@ -32,15 +33,17 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
 
 
 def resolve_mesh(mesh: MeshLike | None, plan_dims: ParallelDims | None,
-                 device_type: str) -> DeviceMesh | None:
-    """The mesh an engine gets: ``mesh`` as given, a mesh built from `ParallelDims` (the
+                 device_type: str, engine: str) -> DeviceMesh | None:
+    """The mesh ``engine`` gets: ``mesh`` as given, a mesh built from `ParallelDims` (the
     option's, else the Plan's), or ``None`` (the engine's default: every rank). Dims
-    given both ways must agree."""
+    given both ways must agree; building a mesh needs the process group (annot's error
+    says so before torch's would)."""
     if isinstance(mesh, ParallelDims) and plan_dims is not None and mesh != plan_dims:
         raise ValueError(f"mesh={mesh} differs from the Plan's parallel dims {plan_dims}: "
                          "give them in one place")
     dims = mesh if isinstance(mesh, ParallelDims) else plan_dims if mesh is None else None
     if dims is not None:
+        require_process_group(engine)
         return build_mesh(dims, device_type)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh= takes a DeviceMesh or annot.ParallelDims, not {type(mesh).__name__}")

@@ -158,3 +158,10 @@ def test_engines_without_meshes_refuse_a_plans_hybrid_dims(world4, engine, match
     plan = annot.plan(model, parallel=annot.ParallelDims(replicate=2))
     with pytest.raises(ValueError, match=f"need a device mesh.*{match}"):
         annot.auto_wrap(model, engine, plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1"])
+def test_dims_without_a_process_group_get_annots_error(engine):
+    assert not dist.is_initialized()
+    with pytest.raises(annot.ProcessGroupNotInitializedError, match=f"engine '{engine}' needs torch.distributed"):
+        annot.auto_wrap(gpt(), engine, mesh=annot.ParallelDims(replicate=2))
