@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -117,14 +118,35 @@ def torchrun(script: Path | str, *args: str, nproc: int = WORLD_SIZE,
     """Run ``script ARGS`` on ``nproc`` CPU ranks under torchrun (see the module
     docstring). With ``check``, a non-zero exit raises ``AssertionError`` with
     `failure_report`. Returns the completed process, stderr merged into stdout."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args,
-    ]
-    proc = run_process(cmd, timeout=timeout, env=worker_env())
+    def launch() -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args]
+        return run_process(cmd, timeout=timeout, env=worker_env())
+
+    proc = launch()
+    if check and proc.returncode != 0 and (crash := native_crash(proc.stdout)):
+        # Seen once in about 25 launches of the HuggingFace matrix (glibc aborted a rank:
+        # "malloc_consolidate(): unaligned fastbin chunk detected"), not reproduced in 15
+        # more, 6 of them under glibc's malloc checking. One retry, reported as a warning;
+        # a second crash, or any failure of the worker's own, fails the test.
+        warnings.warn(f"a rank died of {crash} (a native crash); launching once more:\n"
+                      f"{failure_report(proc)[-3000:]}", stacklevel=2)
+        proc = launch()
     if check and proc.returncode != 0:
         raise AssertionError(failure_report(proc))
     return proc
+
+
+# torchrun's summary line for a rank killed by a signal the worker did not ask for:
+# SIGABRT (glibc's heap checks, C++ terminate), SIGBUS, SIGSEGV.
+_CRASH_LINE = re.compile(r"exitcode\s*:\s*-(6|7|11)\b")
+_SIGNALS = {"6": "SIGABRT", "7": "SIGBUS", "11": "SIGSEGV"}
+
+
+def native_crash(output: str) -> str | None:
+    """The signal that killed a rank, from torchrun's failure summary, if one did."""
+    match = _CRASH_LINE.search(output)
+    return _SIGNALS[match.group(1)] if match else None
 
 
 def worker_main(run: Callable[..., Any]) -> None:

@@ -1,6 +1,7 @@
 """The test launcher (tests/distributed.py): a run past its timeout kills everything it
 started, grandchildren included, and says what it printed; a failed launch's report puts
-the ranks' own tracebacks first."""
+the ranks' own tracebacks first; a rank's native crash is launched once more, nothing
+else is."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
-from tests.distributed import failure_report, run_process
+from tests.distributed import failure_report, run_process, torchrun
 
 # A parent that starts a grandchild (a second process in the same group, not holding the
 # output pipe, so only a group kill ends it), prints the grandchild's pid, and then both
@@ -58,3 +60,43 @@ def test_the_report_puts_each_ranks_traceback_first():
     assert lines[2:6] == ["[rank0]: Traceback (most recent call last):", "[rank0]: KeyError: a",
                           "[rank1]: Traceback (most recent call last):", "[rank1]: ValueError: b"]
     assert lines[-1] == "summary line"
+
+
+# Under torchrun: count the launch, then rank 1 aborts (as glibc does on a corrupted heap)
+# in the launches listed in argv[2], or raises in every launch with "raise".
+_WORKER = """
+import os, sys
+from pathlib import Path
+log = Path(sys.argv[1])
+if os.environ["RANK"] == "0":
+    with log.open("a") as f:
+        f.write("launch\\n")
+launch = len(log.read_text().splitlines()) if log.exists() else 0
+if os.environ["RANK"] == "1":
+    import time; time.sleep(1)  # rank 0 has counted this launch
+    launch = len(log.read_text().splitlines())
+    if sys.argv[2] == "raise":
+        raise ValueError("the worker's own failure")
+    if str(launch) in sys.argv[2].split(","):
+        os.abort()
+"""
+
+
+@pytest.mark.parametrize(("behaviour", "launches", "passes"), [
+    ("1", 2, True),  # a crash in the first launch only: launched once more, passes
+    ("1,2", 2, False),  # a crash in both: fails after the second
+    ("raise", 1, False),  # the worker's own error: never launched again
+])
+def test_only_a_native_crash_is_launched_once_more(tmp_path, behaviour, launches, passes):
+    script, log = tmp_path / "worker.py", tmp_path / "launches"
+    script.write_text(_WORKER)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if passes:
+            torchrun(script, str(log), behaviour, timeout=120)
+        else:
+            with pytest.raises(AssertionError, match="exited 1"):
+                torchrun(script, str(log), behaviour, timeout=120)
+    assert len(log.read_text().splitlines()) == launches
+    crashes = [w for w in caught if "SIGABRT" in str(w.message)]
+    assert len(crashes) == (launches - 1)
