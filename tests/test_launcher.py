@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 
+from tests import distributed
 from tests.distributed import failure_report, run_process, torchrun
 
 # A parent that starts a grandchild (a second process in the same group, not holding the
@@ -62,41 +63,54 @@ def test_the_report_puts_each_ranks_traceback_first():
     assert lines[-1] == "summary line"
 
 
-# Under torchrun: count the launch, then rank 1 aborts (as glibc does on a corrupted heap)
-# in the launches listed in argv[2], or raises in every launch with "raise".
+# Under torchrun: rank 1 aborts (as glibc does on a corrupted heap) in the first launch,
+# which rank 0 marks by writing a file; the second launch finds the file and passes.
 _WORKER = """
-import os, sys
+import os, sys, time
 from pathlib import Path
 log = Path(sys.argv[1])
 if os.environ["RANK"] == "0":
     with log.open("a") as f:
         f.write("launch\\n")
-launch = len(log.read_text().splitlines()) if log.exists() else 0
-if os.environ["RANK"] == "1":
-    import time; time.sleep(1)  # rank 0 has counted this launch
-    launch = len(log.read_text().splitlines())
-    if sys.argv[2] == "raise":
-        raise ValueError("the worker's own failure")
-    if str(launch) in sys.argv[2].split(","):
+else:
+    time.sleep(1)  # rank 0 has counted this launch
+    if len(log.read_text().splitlines()) == 1:
         os.abort()
 """
 
 
-@pytest.mark.parametrize(("behaviour", "launches", "passes"), [
-    ("1", 2, True),  # a crash in the first launch only: launched once more, passes
-    ("1,2", 2, False),  # a crash in both: fails after the second
-    ("raise", 1, False),  # the worker's own error: never launched again
-])
-def test_only_a_native_crash_is_launched_once_more(tmp_path, behaviour, launches, passes):
+def test_a_native_crash_in_a_real_launch_is_launched_once_more(tmp_path):
     script, log = tmp_path / "worker.py", tmp_path / "launches"
     script.write_text(_WORKER)
-    with warnings.catch_warnings(record=True) as caught:
+    with pytest.warns(UserWarning, match="SIGABRT") as caught:
+        torchrun(script, str(log), timeout=120)
+    assert len(log.read_text().splitlines()) == 2
+    assert len([w for w in caught if "SIGABRT" in str(w.message)]) == 1
+
+
+# torchrun's summary for a rank that died of a signal, and for one that raised.
+_SUMMARY = "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : {}"
+
+
+@pytest.mark.parametrize(("exits", "launches", "passes"), [
+    (["-6 (pid: 9)", "0"], 2, True),  # a crash, then a clean launch: passes
+    (["-11 (pid: 9)", "-6 (pid: 9)"], 2, False),  # two crashes: fails after the second
+    (["1 (pid: 9)", "0"], 1, False),  # the worker's own error: never launched again
+])
+def test_only_a_native_crash_is_launched_once_more(monkeypatch, exits, launches, passes):
+    calls = []
+
+    def fake_run(cmd, **_):
+        code = exits[len(calls)]
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0 if code == "0" else 1, _SUMMARY.format(code), "")
+
+    monkeypatch.setattr(distributed, "run_process", fake_run)
+    with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         if passes:
-            torchrun(script, str(log), behaviour, timeout=120)
+            torchrun("worker.py")
         else:
             with pytest.raises(AssertionError, match="exited 1"):
-                torchrun(script, str(log), behaviour, timeout=120)
-    assert len(log.read_text().splitlines()) == launches
-    crashes = [w for w in caught if "SIGABRT" in str(w.message)]
-    assert len(crashes) == (launches - 1)
+                torchrun("worker.py")
+    assert len(calls) == launches
