@@ -164,6 +164,7 @@ def test_a_config_dataclass_constructor_is_filled_from_kwargs(capsys, tmp_path):
     assert json.loads(out)["units"][0]["cls"] == "nano.Layer"
 
 
+@pytest.mark.slow
 def test_plan_memory_table_and_recommendation(capsys):
     code, out, _ = run(capsys, "plan", GPT, "--memory", "--gpus", "2", "--batch", "4", "--seq", "32",
                        "--precision", "fp32", "--gpu-mem", "2GiB", "--host-mem", "8GiB")
@@ -174,6 +175,7 @@ def test_plan_memory_table_and_recommendation(capsys):
     assert 'annot.auto_wrap(model, "ddp", checkpoint=False)' in out
 
 
+@pytest.mark.slow
 def test_plan_memory_json(capsys):
     code, out, _ = run(capsys, "plan", GPT, "--memory", "--json", "--batch", "2", "--seq", "16",
                        "--gpu-mem", "100KiB", "--host-mem", "1GiB")

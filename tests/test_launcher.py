@@ -38,6 +38,7 @@ def _alive(pid: int) -> bool:
         return stat.read().split()[2] != "Z"
 
 
+@pytest.mark.slow
 def test_a_timeout_kills_the_whole_process_group_and_keeps_the_output():
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="ran past 2s") as raised:
@@ -79,6 +80,7 @@ else:
 """
 
 
+@pytest.mark.distributed
 def test_a_native_crash_in_a_real_launch_is_launched_once_more(tmp_path):
     script, log = tmp_path / "worker.py", tmp_path / "launches"
     script.write_text(_WORKER)

@@ -15,6 +15,7 @@ from tests.huggingface.hf_archs import (
     LAUNCH_TIMEOUT_S,
     PRETRAINED_DISTRIBUTED,
     PlantedPickle,
+    planted_sentinel,
 )
 
 pytest.importorskip("transformers")
@@ -22,21 +23,30 @@ pytest.importorskip("transformers")
 WORKER = Path(__file__).with_name("hf_worker.py")
 
 
+class SavedModels(dict):
+    """Architecture name -> its directory, saved on first use (a session that runs a few
+    architectures imports and saves only those)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        import pickle
+
+        directory = self.root / name
+        ARCHS[name].build().save_pretrained(directory)
+        (directory / ".metadata").write_bytes(pickle.dumps(PlantedPickle(planted_sentinel(self))))
+        self[name] = directory
+        return directory
+
+
 @pytest.fixture(scope="session")
-def saved_models(tmp_path_factory) -> dict[str, Path]:
-    """Each architecture from the shared seed, saved with ``save_pretrained``, with a
-    planted ``.metadata`` beside it (`PlantedPickle`; sentinel: `planted_sentinel`)."""
-    import pickle
-
-    root = tmp_path_factory.mktemp("pretrained")
-    out = {}
-    for name, arch in ARCHS.items():
-        arch.build().save_pretrained(root / name)
-        (root / name / ".metadata").write_bytes(pickle.dumps(PlantedPickle(root / "PLANTED-PICKLE-RAN")))
-        out[name] = root / name
-    return out
-
-
+def saved_models(tmp_path_factory) -> SavedModels:
+    """Each architecture from the shared seed, saved with ``save_pretrained`` when first
+    asked for, with a planted ``.metadata`` beside it (`PlantedPickle`; sentinel:
+    `planted_sentinel`)."""
+    return SavedModels(tmp_path_factory.mktemp("pretrained"))
 
 
 ENGINE_FIXTURES = {"fsdp2": "fsdp2_run", "deepspeed": "zero3_run"}

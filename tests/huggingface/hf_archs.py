@@ -183,5 +183,7 @@ class PlantedPickle:
         return (Path.touch, (self.path,))
 
 
-def planted_sentinel(saved_models: dict[str, Path]) -> Path:
-    return next(iter(saved_models.values())).parent / "PLANTED-PICKLE-RAN"
+def planted_sentinel(saved_models: Any) -> Path:
+    """The file a planted pickle creates if anything ever unpickles it (``saved_models``:
+    the fixture's `SavedModels`)."""
+    return saved_models.root / "PLANTED-PICKLE-RAN"

@@ -25,7 +25,8 @@ def transformers_logits(name: str, directory, **options) -> torch.Tensor:
         return model(**probe_inputs(name)).logits
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
+# The fast lane runs llama; the full suite every architecture.
+@pytest.mark.parametrize("name", [n if n == "llama" else pytest.param(n, marks=pytest.mark.slow) for n in ARCHS])
 def test_logits_equal_transformers(saved_models, name):
     ours = annot.from_pretrained(saved_models[name], engine=None)
     assert type(ours).__name__ == ARCHS[name].model_class
@@ -143,6 +144,7 @@ def test_zero3_from_pretrained_on_two_ranks(zero3_run, saved_models):
     _check_distributed(zero3_run["pretrained"]["llama"], "llama", saved_models["llama"])
 
 
+@pytest.mark.distributed  # reads the 2-rank launch's results
 def test_a_planted_metadata_pickle_never_runs(fsdp2_run, saved_models):
     """Every model folder of these tests holds a ``.metadata`` whose unpickling creates a
     file; after the 1-rank tests above and the 2-rank FSDP2 launch (all of which loaded

@@ -173,6 +173,7 @@ def _gpt(**shape):
         return GPT(**shape)
 
 
+@pytest.mark.slow
 def test_two_nodes_weigh_two_dimensional_layouts_and_a_slow_link_picks_one():
     model = _gpt(n_layer=2, n_embd=64, n_head=4, vocab_size=128, block_size=32)
     common = dict(gpus=4, nodes=2, batch=1, seq=32, gpu_mem=80 * GiB, host_mem=64 * GiB)
@@ -193,6 +194,7 @@ def test_two_nodes_weigh_two_dimensional_layouts_and_a_slow_link_picks_one():
     assert "network: 1e+06 GB/s per GPU inside a node" in fast.table()
 
 
+@pytest.mark.slow
 def test_step_time_counts_the_traced_flops():
     model = _gpt(n_layer=2, n_embd=128, n_head=4, vocab_size=256, block_size=64)
     report = annot.estimate_memory(model, gpus=2, batch=2, seq=64, gpu_mem=80 * GiB,

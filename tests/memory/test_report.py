@@ -17,6 +17,7 @@ def _gpt(**shape):
         return GPT(**shape)
 
 
+@pytest.mark.slow
 def test_small_model_that_fits_gets_ddp():
     report = annot.estimate_memory(_gpt(n_layer=2), gpus=8, batch=2, seq=32,
                                    gpu_mem=80 * GiB, host_mem=512 * GiB)
@@ -24,6 +25,7 @@ def test_small_model_that_fits_gets_ddp():
     assert "below ~500M parameters" in report.reason
 
 
+@pytest.mark.slow
 def test_above_500m_parameters_ddp_is_not_recommended_even_if_it_fits():
     model = _gpt(n_layer=12, n_embd=2048, n_head=16, vocab_size=50304, block_size=64)
     report = annot.estimate_memory(model, gpus=8, batch=1, seq=64, gpu_mem=80 * GiB, host_mem=512 * GiB)
@@ -32,6 +34,7 @@ def test_above_500m_parameters_ddp_is_not_recommended_even_if_it_fits():
     assert report.recommendation == "zero1"
 
 
+@pytest.mark.slow
 def test_tight_memory_moves_to_checkpointing_then_sharding_then_offload():
     model = _gpt(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, block_size=256)
     exact = dict(margin=0.0, reserve=0)  # compare counted peaks with the limit directly
@@ -49,6 +52,7 @@ def test_tight_memory_moves_to_checkpointing_then_sharding_then_offload():
     assert "offload" in tiny.recommendation and tiny.checkpoint is True
 
 
+@pytest.mark.slow
 def test_host_memory_limits_offload():
     model = _gpt(n_layer=2)
     report = annot.estimate_memory(model, batch=1, seq=16, gpu_mem=1, host_mem=1)
@@ -79,6 +83,7 @@ def test_a_wrapped_model_is_refused():
         annot.estimate_memory(wrapper)
 
 
+@pytest.mark.slow
 def test_the_margin_and_reserve_decide_what_fits():
     model = _gpt(n_layer=2)
     counted = annot.estimate_memory(model, gpus=2, batch=1, seq=16, margin=0.0, reserve=0,

@@ -127,6 +127,7 @@ def test_latin1_file_keeps_its_encoding(tmp_path: Path) -> None:
     assert path.read_bytes().decode("latin-1").startswith("# -*- coding: latin-1 -*-\n# caf\xe9\n")
 
 
+@pytest.mark.slow
 def test_two_workers_give_the_same_result(tmp_path: Path) -> None:
     for i in range(4):
         (tmp_path / f"m{i}.py").write_text(SRC)

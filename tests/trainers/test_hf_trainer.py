@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from tests.distributed import torchrun
+from tests.requires import installed
 
-pytest.importorskip("transformers")
-pytest.importorskip("deepspeed")
-pytest.importorskip("accelerate")
-
+pytestmark = installed("transformers", "deepspeed", "accelerate")
 WORKER = Path(__file__).with_name("hf_worker.py")
 
 

@@ -13,9 +13,9 @@ import torch
 
 from tests.distributed import torchrun
 from tests.engines.harness import CONFIG, reference
+from tests.requires import installed
 
-pytest.importorskip("lightning")
-
+pytestmark = installed("lightning")
 WORKER = Path(__file__).with_name("lightning_worker.py")
 UNITS = [f"model.transformer.h.{i}" for i in range(CONFIG["n_layer"])]
 TOLERANCE = 1e-6
