@@ -79,10 +79,17 @@ def _which(folder, old, new) -> str:
     raise AssertionError("the folder loads neither the old nor the new checkpoint")
 
 
-@pytest.mark.parametrize("old_bytes, new_bytes", [(WHOLE, WHOLE), (SHARDED, SHARDED), (WHOLE, SHARDED),
-                                                  (SHARDED, WHOLE)],
-                         ids=["single->single", "shards->same shard names", "single->shards",
-                              "shards->single"])
+# A kill at every step of a save, each step fsynced: 2-4 s per case with shards, so the
+# fast lane keeps the single-file case and the full suite runs all four.
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("old_bytes, new_bytes", [
+    pytest.param(WHOLE, WHOLE, id="single->single"),
+    pytest.param(SHARDED, SHARDED, id="shards->same shard names", marks=_SLOW),
+    pytest.param(WHOLE, SHARDED, id="single->shards", marks=_SLOW),
+    pytest.param(SHARDED, WHOLE, id="shards->single", marks=_SLOW),
+])
 def test_a_kill_at_any_step_leaves_old_or_new(tmp_path, monkeypatch, old_bytes, new_bytes):
     old, new = _model(0), _model(1)
     folder = tmp_path / "ck"
