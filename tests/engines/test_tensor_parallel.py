@@ -84,12 +84,17 @@ def test_split_layers_are_two_dimensional(results):
     assert gpt["transformer.h.0.attn.c_attn.weight"] == ["Shard(dim=0)"]
 
 
+def _assert_every_block_right(got: dict) -> None:
+    """A worker's comparison of every tensor it built or loaded with the eager model's:
+    names were compared, none differs, and each rank holds its own block of each."""
+    assert got["names"] and got["mismatched"] == [] and got["own_blocks_wrong"] == []
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_meta_init_is_bitwise_eager(results, name):
-    got = results[f"meta:{name}"]
-    assert got["names"] and got["mismatched"] == [] and got["own_blocks_wrong"] == []
+    _assert_every_block_right(results[f"meta:{name}"])
 
 
 @pytest.mark.distributed
@@ -97,7 +102,7 @@ def test_meta_init_is_bitwise_eager(results, name):
 @pytest.mark.parametrize("name", MODELS)
 def test_sharded_load_reads_only_own_block(results, name):
     got = results[f"load:{name}"]
-    assert got["names"] and got["mismatched"] == [] and got["own_blocks_wrong"] == []
+    _assert_every_block_right(got)
     for read, kept in got["read_and_kept"]:
         assert read == kept, got["read_and_kept"]
 
@@ -105,8 +110,7 @@ def test_sharded_load_reads_only_own_block(results, name):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_from_pretrained_reads_into_the_split_layout(results):
-    got = results["pretrained:llama"]
-    assert got["names"] and got["mismatched"] == [] and got["own_blocks_wrong"] == []
+    _assert_every_block_right(results["pretrained:llama"])
 
 
 @pytest.mark.distributed
