@@ -33,13 +33,15 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
 
 def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
          device: torch.device | str | None = None, dcp: bool = False,
-         prefix: str | None = None) -> LoadReport:
+         prefix: str | None = None, mmap: bool = False) -> LoadReport:
     """Load a checkpoint into ``model``, each rank reading only the rows it keeps
     (`annot.checkpoint_io.loading.load`): safetensors, the model of an `annot.save_state`
     training state, or (``dcp=True``) a torch distributed checkpoint whose keys carry
-    ``prefix`` (found from the keys if not given)."""
+    ``prefix`` (found from the keys if not given). ``mmap=True`` maps safetensors into a
+    meta model instead of reading them (copy-on-write; the files must not change while
+    the model lives)."""
     report = loading.load(model, path, strict=strict, device=device, layout=shard_layout(model),
-                          dcp=dcp, prefix=prefix)
+                          dcp=dcp, prefix=prefix, mmap=mmap)
     refresh_secondary_partitions(model)  # ZeRO++ hpZ's copies of what was just written
     return report
 

@@ -36,27 +36,32 @@ PathLike = str | os.PathLike[str]
 @overload
 def auto_wrap(model: nn.Module, engine: Literal["fsdp2", "fully_shard"] = ...,
               policy: PolicyLike = ..., *, checkpoint: bool | None = ..., optimizer: None = ...,
-              load_from: PathLike | None = ..., device: torch.device | str | None = ...,
+              load_from: PathLike | None = ..., mmap: bool = ...,
+              device: torch.device | str | None = ...,
               options: Any = ..., **engine_options: Any) -> nn.Module: ...
 @overload
 def auto_wrap(model: nn.Module, engine: Literal["ddp"], policy: PolicyLike = ..., *,
               checkpoint: bool | None = ..., optimizer: None = ...,
-              load_from: PathLike | None = ..., device: torch.device | str | None = ...,
+              load_from: PathLike | None = ..., mmap: bool = ...,
+              device: torch.device | str | None = ...,
               options: Any = ..., **engine_options: Any) -> DistributedDataParallel: ...
 @overload
 def auto_wrap(model: nn.Module, engine: Literal["fsdp1", "fsdp"], policy: PolicyLike = ..., *,
               checkpoint: bool | None = ..., optimizer: None = ...,
-              load_from: PathLike | None = ..., device: torch.device | str | None = ...,
+              load_from: PathLike | None = ..., mmap: bool = ...,
+              device: torch.device | str | None = ...,
               options: Any = ..., **engine_options: Any) -> FullyShardedDataParallel: ...
 @overload
 def auto_wrap(model: nn.Module, engine: str = ..., policy: PolicyLike = ..., *,
               checkpoint: bool | None = ..., optimizer: OptimizerFactory,
-              load_from: PathLike | None = ..., device: torch.device | str | None = ...,
+              load_from: PathLike | None = ..., mmap: bool = ...,
+              device: torch.device | str | None = ...,
               options: Any = ..., **engine_options: Any) -> Trainable: ...
 @overload
 def auto_wrap(model: nn.Module, engine: str = ..., policy: PolicyLike = ..., *,
               checkpoint: bool | None = ..., optimizer: OptimizerFactory | None = ...,
-              load_from: PathLike | None = ..., device: torch.device | str | None = ...,
+              load_from: PathLike | None = ..., mmap: bool = ...,
+              device: torch.device | str | None = ...,
               options: Any = ..., **engine_options: Any) -> nn.Module | Trainable: ...
 
 
@@ -68,6 +73,7 @@ def auto_wrap(
     checkpoint: bool | None = None,
     optimizer: OptimizerFactory | None = None,
     load_from: PathLike | None = None,
+    mmap: bool = False,
     device: torch.device | str | None = None,
     options: Any = None,
     **engine_options: Any,
@@ -87,6 +93,9 @@ def auto_wrap(
             ``zero_grad`` for every engine, so the training loop does not branch.
         load_from: a checkpoint `annot.load` reads (each sharded rank reads only the rows
             it keeps; the initialization of what it provides never runs).
+        mmap: map ``load_from``'s tensors instead of reading them (`annot.load`'s
+            ``mmap``: CPU, FSDP2, DDP or no engine; the files must not change while the
+            model lives).
         device: default this rank's GPU (``LOCAL_RANK``) or the CPU.
         options: the engine's options object (`annot.engines.fsdp2.FSDP2Options`,
             ``FSDP1Options``, ``DDPOptions``, ``DeepSpeedOptions``), or pass its fields as
@@ -108,10 +117,12 @@ def auto_wrap(
     deferred = _deferred(model)
     plan = resolve_plan(model, policy)                            # 2. the Plan
     request = WrapRequest(plan, checks.default_device(device), deferred,
-                          Path(load_from) if load_from is not None and deferred else None)
+                          Path(load_from) if load_from is not None and deferred else None, mmap)
     # What the engine cannot do with this model is said before asking for a process group,
     # so it shows (and is tested) without torchrun.
     steps.check(model, request, opts)
+    if mmap:
+        checks.refuse_mapping(steps.name, steps.maps_checkpoint, request.load_from, request.device)
     checks.require_process_group(steps.name)
     if steps.requires_optimizer and optimizer is None:
         raise ValueError(
@@ -123,7 +134,7 @@ def auto_wrap(
     checkpointed = steps.checkpoint_paths(model, plan, checkpoint)
     prepare_for_training(model, checkpointing=bool(checkpointed)) # 3. HF training settings
     if load_from is not None and not deferred:                    # a model with storage
-        load_logged(model, load_from, request.device)
+        load_logged(model, load_from, request.device, mmap=mmap)
     before = list(model.parameters())
     steps.prepare(model, request, opts, checkpointed)             # 4. tools inside the units
     if deferred and steps.fills_before_wrap:                      # 5. storage and values

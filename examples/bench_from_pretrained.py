@@ -12,6 +12,8 @@ holds one), then loads it on N CPU ranks (torchrun, gloo), one launch per way:
   the same bytes as annot reads, with nothing else done;
 - ``annot``: ``annot.from_pretrained(DIR, "fsdp2")``: meta model, FSDP2 shards, each rank
   reads only its own rows of every tensor;
+- ``annot_mmap``: the same with ``mmap=True``: each rank maps its own rows of every
+  tensor (copy-on-write) instead of reading them;
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(DIR)`` on every rank;
 - ``rank 0 + broadcast``: rank 0 loads with transformers, the other ranks build the model
   on the meta device, all shard it with FSDP2, and torch's ``set_model_state_dict``
@@ -22,7 +24,9 @@ With ``--cold`` the files are dropped from the page cache before every launch
 one untimed read warms the cache first. After loading, each rank reads every tensor it holds once (as a first training step
 would), so memory-mapped weights are paged in and counted. Prints one row per rank and
 way: bytes read, peak RSS, peak RSS above the process's footprint before loading, and
-time (loading and that one read). Bytes read: the ``rchar`` count of ``/proc/self/io``
+time (loading and that one read); then, not in that time, "first write": writing every
+tensor the rank holds once in place, as the first optimizer step will, which is where a
+memory-mapped weight is copied (page by page, on write). Bytes read: the ``rchar`` count of ``/proc/self/io``
 (every ``read``/``pread``); transformers reads safetensors through a memory map, which
 ``rchar`` does not see, so for its rows the column shows the bytes of the tensors it
 loaded, marked ``*``. Every way imports its modules before the clock starts.
@@ -65,8 +69,9 @@ import tempfile
 import time
 from pathlib import Path
 
-WAYS = ("pread", "annot", "transformers", "rank0")
+WAYS = ("pread", "annot", "annot_mmap", "transformers", "rank0")
 LABELS = {"pread": "floor: pread of the rank's rows", "annot": "annot.from_pretrained fsdp2",
+          "annot_mmap": "annot.from_pretrained fsdp2, mmap=True",
           "transformers": "transformers, every rank", "rank0": "rank 0 + broadcast (FSDP2)"}
 SAVE_WAYS = ("write", "gather", "annot", "safetensors", "safetensors_whole", "annot_fsdp1",
              "annot_zero3")
@@ -135,8 +140,10 @@ def worker(way: str, directory: str) -> None:
         _pread_rows(Path(directory), rank, dist.get_world_size())
         _finish(rank, base_rss, base_read, start, None)
         return
-    if way == "annot":
-        model = annot.from_pretrained(directory, "fsdp2")
+    if way in ("annot", "annot_mmap"):
+        model = annot.from_pretrained(directory, "fsdp2", mmap=way == "annot_mmap")
+        if way == "annot_mmap":
+            loaded_bytes = sum(t.to_local().numel() * t.element_size() for t in model.state_dict().values())
     elif way == "transformers":
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
         loaded_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -160,10 +167,18 @@ def worker(way: str, directory: str) -> None:
         del full
     # Read every tensor this rank holds once, as the first training step will: a
     # memory-mapped checkpoint is paged in, and counted in RSS, only when touched.
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in model.state_dict().values()]
     with torch.no_grad():
-        for tensor in model.state_dict().values():
-            (tensor.to_local() if hasattr(tensor, "to_local") else tensor).sum()
-    _finish(rank, base_rss, base_read, start, loaded_bytes)
+        for tensor in tensors:
+            tensor.sum()
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        written = time.perf_counter()
+        for tensor in tensors:
+            tensor.mul_(1.0)
+    dist.barrier()
+    _finish(rank, base_rss, base_read, start, loaded_bytes, seconds=seconds,
+            first_write=time.perf_counter() - written)
 
 
 def _import_everything(directory: str) -> None:
@@ -220,14 +235,18 @@ def _pread_rows(directory: Path, rank: int, world: int) -> None:
 
 
 def _finish(rank: int, base_rss: int, base_io: int, start: float, loaded_bytes: int | None,
-            counter: str = "rchar", fsync: float | None = None) -> None:
+            counter: str = "rchar", fsync: float | None = None, seconds: float | None = None,
+            first_write: float | None = None) -> None:
+    """Gather the ranks' figures; the time is from ``start`` to now (after a barrier)
+    unless ``seconds`` was measured already."""
     import torch.distributed as dist
 
     dist.barrier()
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start if seconds is None else seconds
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     row = {"rank": rank, "read": _io(counter) - base_io, "loaded_bytes": loaded_bytes,
-           "peak": peak, "above": peak - base_rss, "seconds": elapsed, "fsync": fsync}
+           "peak": peak, "above": peak - base_rss, "seconds": elapsed, "fsync": fsync,
+           "first_write": first_write}
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -373,9 +392,13 @@ def load_table(args: argparse.Namespace, directory: Path, ways: list[str]) -> No
             floor.setdefault(r["rank"], r["seconds"])
             rows.append((LABELS[way], str(r["rank"]), read, gib(r["peak"]), gib(r["above"]),
                          f"{r['seconds']:.2f} s", f"{nbytes / 2**30 / r['seconds']:.2f}",
-                         f"{r['seconds'] / floor[r['rank']]:.2f}"))
-    print_table(("way", "rank", "bytes read", "peak RSS", "above start", "time", "GiB/s", "x floor"), rows)
+                         f"{r['seconds'] / floor[r['rank']]:.2f}",
+                         "-" if r["first_write"] is None else f"{r['first_write']:.2f} s"))
+    print_table(("way", "rank", "bytes read", "peak RSS", "above start", "time", "GiB/s", "x floor",
+                 "first write"), rows)
     print("* memory-mapped reads: the bytes of the tensors loaded, not an rchar count")
+    print("first write: every tensor the rank holds written once, after the timed load "
+          "(a mapped page is copied then)")
 
 
 def save_table(args: argparse.Namespace, directory: Path, ways: list[str], file_bytes: int) -> None:

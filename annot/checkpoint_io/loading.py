@@ -4,9 +4,11 @@ Sources: one ``.safetensors`` file; a directory of safetensors shards with a
 HuggingFace index (``model.safetensors.index.json``) or a single ``model.safetensors``;
 a torch distributed checkpoint (a directory with ``.metadata``; read when annot
 committed it, a training state, or when asked: ``dcp=True``). Each rank reads only
-the rows of its own shards (positioned reads, no memory map): an FSDP2 DTensor's rows,
-or the rows covering the flat range an FSDP1 shard or a DeepSpeed ZeRO-3 partition
-holds. It converts the dtype on the way in and loads a tied parameter once.
+the rows of its own shards (positioned reads): an FSDP2 DTensor's rows, or the rows
+covering the flat range an FSDP1 shard or a DeepSpeed ZeRO-3 partition holds. It
+converts the dtype on the way in and loads a tied parameter once. With ``mmap=True`` a
+whole tensor's or an FSDP2 shard's rows are mapped from the file instead of read
+(copy-on-write: docs/design.md, pitfall 28).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from annot._progress import Progress
 from annot.checkpoint_io import commit
@@ -47,11 +50,13 @@ class LoadReport:
     unexpected: tuple[str, ...]
     loaded: int
     bytes_read: int
+    #: Bytes mapped from the files instead of read (``mmap=True``).
+    bytes_mapped: int = 0
 
 
 def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
          device: torch.device | str | None = None, layout: ShardLayout = WHOLE,
-         dcp: bool = False, prefix: str | None = None) -> LoadReport:
+         dcp: bool = False, prefix: str | None = None, mmap: bool = False) -> LoadReport:
     """Load ``path`` into ``model`` in place and return a `LoadReport`.
 
     ``strict=True`` raises `CheckpointError` listing missing and unexpected keys;
@@ -68,10 +73,20 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
     names (``"model."`` in torch's ``{"model": ..., "optim": ...}`` layout,
     ``"state_dict.model."`` for a Lightning module holding ``self.model``); ``None``
     finds it from the keys.
+
+    ``mmap=True`` maps what it can instead of reading it (a model on the meta device,
+    loaded on the CPU, whole or FSDP2-sharded, where the file's dtype is the model's):
+    the load copies nothing, and a page is copied when first written (an optimizer
+    step), for this process only. The files must then stay as they are while the model
+    lives: rewriting one in place (not annot's saves, which write a new file and rename
+    it) changes the values of weights not yet written, or kills the process (SIGBUS)
+    if it shrinks (docs/design.md, pitfall 28). What cannot be mapped is read.
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
+    if mmap:
+        _refuse_mapping(model, path, device, layout, dcp)
     if (path / ".metadata").is_file() and commit.is_committed(path):
         commit.require_committed(path)
         return _load_dcp(model, path, strict, layout, "model." if prefix is None else prefix)
@@ -92,14 +107,33 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
     _refuse_incompatible(match, layout)
     provided = {n for group in groups if any(m in available for m in group) for n in group}
     _allocate(model, device, skip=provided, layout=layout)
-    loaded, read = _fill_from_safetensors(model, groups, match, layout)
-    return LoadReport(tuple(missing), tuple(unexpected), loaded, read)
+    loaded, read, mapped = _fill_from_safetensors(model, groups, match, layout, mmap)
+    return LoadReport(tuple(missing), tuple(unexpected), loaded, read, mapped)
+
+
+def _refuse_mapping(model: nn.Module, path: Path, device: torch.device | str | None,
+                    layout: ShardLayout, dcp: bool) -> None:
+    """Say why ``mmap=True`` cannot apply, before anything is allocated."""
+    why = None
+    if dcp or ((path / ".metadata").is_file() and commit.is_committed(path)):
+        why = "a torch distributed checkpoint is read through torch's reader"
+    elif layout.parts or layout.wrapper_names:
+        why = (f"{layout.engine or 'this engine'} keeps flattened parameters of its own, "
+               "which cannot point at the file")
+    elif device is not None and torch.device(device).type != "cpu":
+        why = f"the weights go to {device}, so they are copied anyway"
+    elif not any(local(t).is_meta for t in [*model.parameters(), *model.buffers()]):
+        # Parameters that already exist may be referenced (an optimizer, an engine's
+        # state): replacing them would leave those holding the old ones.
+        why = "the model already has storage; mapping replaces parameters, so it needs a model on the meta device"
+    if why is not None:
+        raise CheckpointError(f"mmap=True cannot load {path}: {why}. Load without mmap.")
 
 
 def load_logged(model: nn.Module, path: str | os.PathLike[str], device: torch.device | None,
-                layout: ShardLayout = WHOLE) -> None:
+                layout: ShardLayout = WHOLE, mmap: bool = False) -> None:
     """`annot.load` without strictness; what did not match is logged, not silent."""
-    report = load(model, path, strict=False, device=device, layout=layout)
+    report = load(model, path, strict=False, device=device, layout=layout, mmap=mmap)
     for what, keys in (("kept their initialization (not in the checkpoint)", report.missing),
                        ("were ignored (not in the model)", report.unexpected)):
         if keys:
@@ -312,8 +346,11 @@ _RENAMERS: weakref.WeakKeyDictionary[nn.Module, Callable[[str], str] | None] = w
 
 
 def _fill_from_safetensors(model: nn.Module, groups: list[list[str]], match: _Match,
-                           layout: ShardLayout) -> tuple[int, int]:
+                           layout: ShardLayout, mmap: bool) -> tuple[int, int, int]:
+    """Fill every group the checkpoint provides; returns (tensors, bytes read, bytes mapped)."""
     names = state_names(model, layout)
+    mapped: dict[str, torch.Tensor] = {}
+    mapped_bytes = 0
     available, file_key = match.available, match.file_key
     parts = layout.parts
     by_file: dict[Path, list[tuple[str, list[str]]]] = defaultdict(list)
@@ -330,6 +367,13 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]], match: _Ma
                 target = names[group[0]]
                 source = file_key[name_in_model]
                 target_parts = parts.get(id(target))
+                replacement = _mapped(handle, source, target) if mmap else None
+                if replacement is not None:
+                    mapped.update(dict.fromkeys(group, replacement))
+                    mapped_bytes += local(replacement).numel() * local(replacement).element_size()
+                    loaded += 1
+                    progress.advance()
+                    continue
                 if target_parts is not None:  # tied names share the parameter and its parts
                     read += _fill_flat_parts(handle, source, target_parts)
                     loaded += 1
@@ -338,7 +382,46 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]], match: _Ma
                 read += _fill_tensor(handle, source, [local(names[name]) for name in group], _block(target))
                 loaded += 1
                 progress.advance()
-    return loaded, read
+        _assign(model, mapped)
+    return loaded, read, mapped_bytes
+
+
+def _mapped(handle: SafetensorsFile, source: str, target: torch.Tensor) -> torch.Tensor | None:
+    """A replacement for ``target`` whose storage (this rank's rows) is mapped from the
+    file: the same kind of tensor (Parameter, DTensor on the same mesh and placements),
+    shape and strides. ``None`` when it must be read: another dtype (converted on
+    reading), columns of a tensor-parallel split, a layout the rows do not have."""
+    part = local(target)
+    full_shape = handle.shape(source)
+    if handle.dtype(source) != part.dtype or part.device.type != "cpu" or not part.numel():
+        return None
+    block = _block(target)
+    if block is None or not full_shape:
+        rows = (0, full_shape[0] if full_shape else 1)
+    elif block.rows_only(full_shape):
+        rows = (block.start[0], block.start[0] + block.shape[0])
+    else:
+        return None
+    value = handle.map_rows(source, *rows)
+    if value is None or value.shape != part.shape or value.stride() != part.stride():
+        return None
+    if isinstance(target, DTensor):
+        value = DTensor.from_local(value, target.device_mesh, target.placements, run_check=False,
+                                   shape=target.shape, stride=target.stride())
+    if isinstance(target, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=target.requires_grad)
+    return value
+
+
+def _assign(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Put ``values`` in the model in place of its tensors of those names (tied names
+    share one object). Through ``load_state_dict(assign=True)``: its hooks are how an
+    engine learns its parameters changed (FSDP2 re-derives its shard buffers from them)."""
+    if not values:
+        return
+    result = model.load_state_dict(values, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise CheckpointError(f"mapped tensors the model does not take: {result.unexpected_keys[:6]}")
 
 
 def _direct(handle: SafetensorsFile, source: str, destination: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ import functools
 import itertools
 import json
 import math
+import mmap
 import os
 import struct
 import sys
@@ -231,9 +232,10 @@ class SafetensorsFile:
     whose header passed `parse_header` (every failure is a `CheckpointError` naming the
     file and, where there is one, the key).
 
-    No memory map: mapped pages would count in the process's resident memory and stay
-    there while the file is open; here only the rows asked for are read, straight into
-    the tensor returned.
+    Reads copy the rows asked for straight into the tensor returned. `map_rows` instead
+    maps them (``annot.load(..., mmap=True)``): nothing is copied until a page is
+    written, and the tensor depends on the file staying as it is (docs/design.md,
+    pitfall 28).
     """
 
     def __init__(self, path: Path) -> None:
@@ -298,6 +300,36 @@ class SafetensorsFile:
             if got == 0:  # the file shrank after its header was checked
                 raise CheckpointError(f"{self.path}: {name}: the file ends before its data")
             done += got
+
+    def map_rows(self, name: str, start: int, stop: int) -> torch.Tensor | None:
+        """Rows ``start:stop`` along dim 0 of ``name`` (all of a scalar: ``0, 1``) as a
+        private map of the file: nothing is read now, a page comes from the page cache
+        when first touched, and a write copies that page for this process only (the file
+        never changes). ``None`` when there is nothing to map or the rows' offset is not
+        a multiple of the dtype's size (a tensor must be aligned): read those instead."""
+        entry = self.entries[name]
+        shape = list(entry.shape)
+        rows = shape[0] if shape else 1
+        row_bytes = (entry.end - entry.begin) // rows if rows else 0
+        offset = self.data_start + entry.begin + start * row_bytes
+        nbytes = (stop - start) * row_bytes
+        itemsize = entry.dtype.itemsize
+        if nbytes <= 0 or offset % itemsize:
+            return None
+        if shape:
+            shape[0] = stop - start
+        aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            with open(self.path, "rb") as f:  # the map keeps the file; the descriptor can go
+                if os.fstat(f.fileno()).st_size < offset + nbytes:
+                    raise CheckpointError(f"{self.path}: {name}: the file ends before its data")
+                region = mmap.mmap(f.fileno(), offset + nbytes - aligned, flags=mmap.MAP_PRIVATE,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=aligned)
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: {name}: cannot map ({exc.strerror or exc})") from None
+        # The tensor holds the map (frombuffer keeps its buffer alive); unmapped when freed.
+        return torch.frombuffer(region, dtype=entry.dtype, count=nbytes // itemsize,
+                                offset=offset - aligned).view(shape)
 
     def read_block(self, name: str, start: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
         """Indices ``start[d]:start[d] + shape[d]`` in every dimension, in the file's dtype,

@@ -82,6 +82,8 @@ class WrapRequest:
     deferred: bool
     #: A checkpoint to fill a deferred model from (else its record is replayed).
     load_from: Path | None = None
+    #: Map ``load_from``'s tensors instead of reading them (`annot.load`'s ``mmap``).
+    mmap: bool = False
 
 
 @dataclasses.dataclass
@@ -135,6 +137,9 @@ class Engine(Generic[OptionsT]):
     #: Whether `fill` runs before `wrap` (engines that broadcast or replicate real values
     #: at wrap time, DDP) instead of after it.
     fills_before_wrap: ClassVar[bool] = False
+    #: Whether its parameters can be tensors mapped from a checkpoint (``mmap=True``):
+    #: not for engines that keep flattened parameters of their own.
+    maps_checkpoint: ClassVar[bool] = True
     #: Whether `auto_wrap` needs ``optimizer=`` (an engine that builds it itself).
     requires_optimizer: ClassVar[bool] = False
     #: Option names other engines take -> what to use with this one instead.
@@ -188,7 +193,7 @@ class Engine(Generic[OptionsT]):
 
     def fill(self, wrapped: nn.Module, request: WrapRequest) -> None:
         """Values for a deferred model, into the storage this rank keeps."""
-        fill_values(wrapped, request.load_from, request.device, self.layout(wrapped))
+        fill_values(wrapped, request.load_from, request.device, self.layout(wrapped), request.mmap)
 
     def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
                   options: OptionsT) -> Trainable:
@@ -203,12 +208,12 @@ def trained_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def fill_values(model: nn.Module, load_from: str | os.PathLike[str] | None,
-                device: torch.device | None, layout: ShardLayout = WHOLE) -> None:
+                device: torch.device | None, layout: ShardLayout = WHOLE, mmap: bool = False) -> None:
     """Values for a `meta_init` model that has storage (or not yet): loaded from
     ``load_from`` (what it lacks keeps its initialization, logged), else replayed from
     its construction record."""
     if load_from is not None:
-        load_logged(model, load_from, device, layout)
+        load_logged(model, load_from, device, layout, mmap)
     else:
         materialize(model, device=device, layout=layout)
 

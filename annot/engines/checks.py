@@ -17,12 +17,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from annot.errors import MetaDeviceError, OptimizerOrderError, ProcessGroupNotInitializedError
+from annot.errors import (
+    CheckpointError,
+    MetaDeviceError,
+    OptimizerOrderError,
+    ProcessGroupNotInitializedError,
+)
 
 __all__ = [
     "forbid_stale_optimizers",
     "check_not_meta",
     "default_device",
+    "refuse_mapping",
     "require_process_group",
 ]
 
@@ -47,6 +53,22 @@ def default_device(device: torch.device | str | None) -> torch.device:
         torch.cuda.set_device(local)  # FSDP2 and NCCL use the current device
         return local
     return torch.device("cpu")
+
+
+def refuse_mapping(engine: str, maps_checkpoint: bool, load_from: os.PathLike[str] | None,
+                   device: torch.device) -> None:
+    """Raise `CheckpointError` when ``mmap=True`` cannot apply, before the model changes:
+    there must be a checkpoint to map, weights on the CPU (a device gets a copy anyway),
+    and an engine whose parameters may be tensors of the file's (not flattened ones)."""
+    why = None
+    if load_from is None:
+        why = "there is no load_from to map (or the model already has values)"
+    elif not maps_checkpoint:
+        why = f"{engine} keeps flattened parameters of its own, which cannot point at the file"
+    elif device.type != "cpu":
+        why = f"the weights go to {device}, so they are copied anyway"
+    if why is not None:
+        raise CheckpointError(f"mmap=True: {why}. Load without mmap.")
 
 
 def check_not_meta(model: nn.Module) -> None:

@@ -178,6 +178,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
     """DeepSpeed ZeRO 1-3; `trainable` runs ``deepspeed.initialize``."""
 
     name = "deepspeed"
+    maps_checkpoint = False
     Options = DeepSpeedOptions
     #: DeepSpeed builds the optimizer itself, from a factory, after partitioning.
     requires_optimizer = True

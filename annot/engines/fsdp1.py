@@ -91,6 +91,7 @@ class FSDP1(Engine[FSDP1Options]):
     """torch FSDP1: one ``FullyShardedDataParallel`` call whose wrap policy is the Plan."""
 
     name = "fsdp1"
+    maps_checkpoint = False
     Options = FSDP1Options
 
     def __init__(self) -> None:

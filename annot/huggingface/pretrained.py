@@ -39,6 +39,7 @@ def from_pretrained(
     auto_class: type | str | None = None,
     strict: bool = False,
     peft_config: Any = None,
+    mmap: bool = False,
     **auto_wrap_options: Any,
 ) -> Any:
     """Load the transformers model saved in the local directory ``path``, wrapped for ``engine``.
@@ -68,6 +69,11 @@ def from_pretrained(
     bitwise as eager construction with the same seed; the result is the ``PeftModel``
     (wrapped for ``engine``).
 
+    ``mmap=True`` maps the weights from the files instead of reading them (the CPU with
+    FSDP2, DDP or no engine; a page is copied when first written): the fastest load from
+    a warm page cache, as transformers' own loading maps them. The files must then stay
+    as they are while the model lives (`annot.load`).
+
     ``engine=None`` returns the bare model, loaded and in eval mode like transformers'
     ``from_pretrained`` (no process group needed). With an engine the model is in training
     mode, as `auto_wrap` returns it. Raises `PretrainedPathError` when ``path`` is not a
@@ -85,9 +91,9 @@ def from_pretrained(
             raise ValueError(f"engine=None takes no auto_wrap options, got {', '.join(auto_wrap_options)}")
         from annot.checkpoint_io.loading import load_logged
 
-        load_logged(model, path, None)
+        load_logged(model, path, None, mmap=mmap)
         return model.eval()
-    return auto_wrap(model, engine, load_from=path, **auto_wrap_options)
+    return auto_wrap(model, engine, load_from=path, mmap=mmap, **auto_wrap_options)
 
 
 def _refuse_mismatch(model: nn.Module, path: Path) -> None:

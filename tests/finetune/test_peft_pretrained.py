@@ -9,13 +9,14 @@ import torch
 
 import annot
 from tests.finetune.cases import LORA, SEED
-from tests.huggingface.hf_archs import ARCHS, probe_inputs
+from tests.huggingface.hf_archs import ARCHS, not_mapped, probe_inputs
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 
-def test_equal_to_transformers_from_pretrained_then_get_peft_model(tmp_path):
+@pytest.mark.parametrize("mmap", [False, True])
+def test_equal_to_transformers_from_pretrained_then_get_peft_model(tmp_path, mmap):
     trained_base = ARCHS["llama"].build()
     with torch.no_grad():  # weights unlike any fresh initialization
         for param in trained_base.parameters():
@@ -23,7 +24,11 @@ def test_equal_to_transformers_from_pretrained_then_get_peft_model(tmp_path):
     trained_base.save_pretrained(tmp_path)
 
     torch.manual_seed(SEED)
-    loaded = annot.from_pretrained(tmp_path, engine=None, peft_config=LORA(), strict=True)
+    loaded = annot.from_pretrained(tmp_path, engine=None, peft_config=LORA(), strict=True, mmap=mmap)
+    # Mapped: every base weight (frozen, never written) stays the file's page; the
+    # adapters are new (initialized, not in the file).
+    unmapped = not_mapped(loaded, tmp_path)
+    assert unmapped == [n for n, p in loaded.named_parameters() if not mmap or ".lora_" in n]
     # What a user does without annot: load the base (no initialization runs for what the
     # file holds, so no random numbers are drawn for it), then add the adapters.
     torch.manual_seed(SEED)

@@ -9,13 +9,17 @@ For each ``--engine`` group in turn, for each architecture (see
 ``annot.auto_wrap(model, ENGINE, checkpoint=True)``, train 3 steps on this rank's rows,
 and record the global loss per step and how many module forwards ran during backward
 (recomputation). For each ``--pretrained`` directory (named ``<arch>``):
-``annot.from_pretrained(DIR, ENGINE)`` and the logits of a probe batch. One
-architecture's failure is recorded (with its traceback) and the others still run.
-Rank 0 writes OUT with torch.save: ``{ENGINE: {"train": ..., "pretrained": ...}}``.
+``annot.from_pretrained(DIR, ENGINE)`` and the logits of a probe batch; with FSDP2 also
+``mmap=True`` (which parameters are not mapped from the file), and for the first
+directory 3 steps of training from each load (losses, every gradient, the final state,
+the file's digest before and after). One architecture's failure is recorded (with its
+traceback) and the others still run. Rank 0 writes OUT with torch.save:
+``{ENGINE: {"train": ..., "pretrained": ..., "mapped": ..., "mapped_training": ...}}``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import traceback
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from tests.huggingface.hf_archs import (
     batches,
     count_recomputation,
     make_optimizer,
+    not_mapped,
     probe_inputs,
     rank_rows,
 )
@@ -56,10 +61,10 @@ def train(name: str, engine: str) -> dict:
             "use_cache": getattr(model.config, "use_cache", None)}
 
 
-def pretrained(directory: Path, engine: str) -> dict:
+def pretrained(directory: Path, engine: str, mmap: bool = False) -> dict:
     name = directory.name
     options = {"optimizer": make_optimizer} if engine == "deepspeed" else {}
-    wrapped = annot.from_pretrained(directory, engine, **options)
+    wrapped = annot.from_pretrained(directory, engine, mmap=mmap, **options)
     wrapped.eval()
     model = wrapped.model if isinstance(wrapped, annot.Trainable) else wrapped
     # Before any forward: FSDP2 keeps the root's parameters gathered after a forward
@@ -68,7 +73,30 @@ def pretrained(directory: Path, engine: str) -> dict:
              if not hasattr(p, "to_local") or p.to_local().numel() == p.numel()]
     with torch.no_grad():
         logits = wrapped(**probe_inputs(name)).logits
-    return {"logits": logits.detach().clone(), "whole": whole, "state": full_state(model, engine)}
+    return {"logits": logits.detach().clone(), "whole": whole, "state": full_state(model, engine),
+            "not_mapped": not_mapped(model, directory)}
+
+
+def mapped_training(directory: Path) -> dict:
+    """3 SGD steps of the FSDP2 model loaded by reading and by mapping: losses, every
+    gradient (whole), the final state, and the digest of the files before and after."""
+    files = sorted(directory.glob("*.safetensors"))
+    before = [hashlib.sha256(f.read_bytes()).hexdigest() for f in files]
+    runs = {}
+    for mmap in (False, True):
+        model = annot.from_pretrained(directory, "fsdp2", mmap=mmap)
+        optimizer = make_optimizer(model.parameters())
+        losses, grads = [], []
+        for batch in batches(directory.name):
+            loss = model(**rank_rows(batch, dist.get_rank())).loss
+            loss.backward()
+            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach().clone())
+        runs[mmap] = {"losses": losses, "grads": grads, "state": full_state(model, "fsdp2")}
+    after = [hashlib.sha256(f.read_bytes()).hexdigest() for f in files]
+    return {"read": runs[False], "mapped": runs[True], "digests": (before, after)}
 
 
 def full_state(model: torch.nn.Module, engine: str) -> dict[str, torch.Tensor]:
@@ -95,8 +123,12 @@ def guarded(fn, *args) -> dict:
 def run_engine(engine: str, *rest: str) -> dict:
     names = rest[:rest.index("--pretrained")] if "--pretrained" in rest else rest
     dirs = [Path(d) for d in rest[rest.index("--pretrained") + 1:]] if "--pretrained" in rest else []
-    return {"train": {n: guarded(train, n, engine) for n in names},
-            "pretrained": {d.name: guarded(pretrained, d, engine) for d in dirs}}
+    out = {"train": {n: guarded(train, n, engine) for n in names},
+           "pretrained": {d.name: guarded(pretrained, d, engine) for d in dirs}}
+    if engine == "fsdp2" and dirs:
+        out["mapped"] = {d.name: guarded(pretrained, d, engine, True) for d in dirs}
+        out["mapped_training"] = guarded(mapped_training, dirs[0])
+    return out
 
 
 def run(*argv: str) -> dict[str, dict]:

@@ -112,6 +112,46 @@ def test_head_the_files_lack_is_initialized_as_transformers_does(saved_models):
             assert torch.equal(ours.state_dict()[name], value), name
 
 
+def test_mapped_load_is_transformers_model_and_a_write_stays_in_the_process(saved_models):
+    """engine=None, ``mmap=True``: the logits transformers gives; writing a weight changes
+    the model only (copy-on-write), not the file nor a model loaded after."""
+    directory = saved_models["llama"]
+    ours = annot.from_pretrained(directory, engine=None, mmap=True)
+    with torch.no_grad():
+        assert torch.equal(ours(**probe_inputs("llama")).logits, transformers_logits("llama", directory))
+        weight = ours.model.embed_tokens.weight
+        expected = weight.clone()
+        weight.add_(1.0)
+    again = annot.from_pretrained(directory, engine=None, mmap=True)
+    assert torch.equal(again.model.embed_tokens.weight, expected)
+
+
+def test_mmap_maps_only_what_it_can_and_says_what_it_cannot(saved_models):
+    """The report counts mapped bytes; another dtype is read (converted); a model with
+    storage, a distributed checkpoint, another device and flattening engines are
+    refused with the reason, before anything changes."""
+    directory = saved_models["llama"]
+    model = annot.huggingface.pretrained.build_pretrained(directory)
+    report = annot.load(model, directory, mmap=True)
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert (report.bytes_mapped, report.bytes_read) == (size, 0)
+
+    half = annot.huggingface.pretrained.build_pretrained(directory, torch_dtype=torch.bfloat16)
+    report = annot.load(half, directory, mmap=True)
+    assert (report.bytes_mapped, report.bytes_read) == (0, size)  # the fp32 bytes, converted
+    assert torch.equal(half.lm_head.weight, model.lm_head.weight.bfloat16())
+
+    with pytest.raises(annot.CheckpointError, match="already has storage"):
+        annot.load(model, directory, mmap=True)
+    with pytest.raises(annot.CheckpointError, match="distributed checkpoint"):
+        annot.load(annot.huggingface.pretrained.build_pretrained(directory), directory,
+                   mmap=True, dcp=True)
+    for engine, device, why in (("fsdp1", "cpu", "flattened"), ("deepspeed", "cpu", "flattened"),
+                                ("fsdp2", "cuda", "copied anyway")):
+        with pytest.raises(annot.CheckpointError, match=why):
+            annot.from_pretrained(directory, engine, mmap=True, device=device)
+
+
 def test_engine_none_takes_no_wrap_options(saved_models):
     with pytest.raises(ValueError, match="engine=None takes no auto_wrap options"):
         annot.from_pretrained(saved_models["llama"], engine=None, checkpoint=True)
@@ -137,6 +177,35 @@ def test_fsdp2_from_pretrained_on_two_ranks(fsdp2_run, saved_models, name):
     result = fsdp2_run["pretrained"][name]
     _check_distributed(result, name, saved_models[name])
     assert result["whole"] == [], "a rank holds these parameters whole"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", PRETRAINED_DISTRIBUTED)
+def test_fsdp2_mapped_from_pretrained_is_the_same_model(fsdp2_run, saved_models, name):
+    """``mmap=True``: the same state and logits, every rank's shards still its own rows;
+    on llama (fp32 files, every shard even) every parameter lies in a map of the file."""
+    result = fsdp2_run["mapped"][name]
+    _check_distributed(result, name, saved_models[name])
+    assert result["whole"] == []
+    if name == "llama":
+        assert result["not_mapped"] == []
+    assert len(result["not_mapped"]) < len(result["state"])  # something was mapped
+
+
+@pytest.mark.distributed
+def test_training_a_mapped_model_is_bitwise_reading_and_never_writes_the_file(fsdp2_run):
+    """3 SGD steps on 2 ranks after ``from_pretrained(..., mmap=True)`` and after reading:
+    the same losses, every gradient and the final state bitwise (the steps write every
+    mapped page: the copy-on-write), and the checkpoint's bytes unchanged."""
+    run = fsdp2_run["mapped_training"]
+    assert "error" not in run, run.get("error")
+    read, mapped = run["read"], run["mapped"]
+    assert torch.equal(torch.stack(mapped["losses"]), torch.stack(read["losses"]))
+    for step, (ours, theirs) in enumerate(zip(mapped["grads"], read["grads"], strict=True)):
+        assert [n for n in theirs if not torch.equal(ours[n], theirs[n])] == [], step
+    assert [n for n in read["state"] if not torch.equal(mapped["state"][n], read["state"][n])] == []
+    before, after = run["digests"]
+    assert before == after
 
 
 @pytest.mark.distributed
