@@ -327,6 +327,9 @@ class SafetensorsFile:
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=aligned)
         except OSError as exc:
             raise CheckpointError(f"{self.path}: {name}: cannot map ({exc.strerror or exc})") from None
+        # Start reading the rows in now, in the background (the page cache may not hold them):
+        # the first touch then waits less.
+        region.madvise(mmap.MADV_WILLNEED)
         # The tensor holds the map (frombuffer keeps its buffer alive); unmapped when freed.
         return torch.frombuffer(region, dtype=entry.dtype, count=nbytes // itemsize,
                                 offset=offset - aligned).view(shape)
