@@ -14,7 +14,9 @@ Scenarios (`tests.engines.tensor_parallel_cases`), for NAME in ``llama``, ``gpt`
 - ``load:NAME``: the same meta build, then ``annot.load`` of SCRATCH/NAME-weights (a
   different seed's weights, saved by the test): values against that model and the bytes
   this rank read against the bytes it keeps;
-- ``pretrained:llama``: ``annot.from_pretrained`` of the same weights with the mesh.
+- ``pretrained:llama``: ``annot.from_pretrained`` of the same weights with the mesh;
+- ``mapped:llama``: the same with ``mmap=True``, and which parameters were not mapped
+  (on any rank) against those whose block on some rank is not whole rows.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tests.engines.tensor_parallel_cases import (
     make_optimizer,
     tp_plan,
 )
+from tests.mapped_files import not_mapped
 
 
 def mesh():  # noqa: ANN201 (a DeviceMesh; the type is torch's)
@@ -126,16 +129,32 @@ def load(name: str, scratch: Path) -> dict:
             "read_and_kept": read, "names": sorted(expected)}
 
 
-def pretrained(name: str, scratch: Path) -> dict:
-    """``annot.from_pretrained`` (Llama only): built on meta, split, sharded, then read."""
+def pretrained(name: str, scratch: Path, mmap: bool = False) -> dict:
+    """``annot.from_pretrained`` (Llama only): built on meta, split, sharded, then read
+    (or mapped)."""
     expected = {n: p.detach().clone() for n, p in build(name, seed=1).named_parameters()}
-    model = annot.from_pretrained(scratch / f"{name}-weights", "fsdp2", mesh=mesh())
+    directory = scratch / f"{name}-weights"
+    model = annot.from_pretrained(directory, "fsdp2", mesh=mesh(), mmap=mmap)
     mismatched = [n for n, p in model.named_parameters() if not torch.equal(full(p), expected[n])]
-    return {"mismatched": mismatched, "own_blocks_wrong": own_blocks(model, expected),
-            "names": sorted(expected)}
+    out = {"mismatched": mismatched, "own_blocks_wrong": own_blocks(model, expected),
+           "names": sorted(expected)}
+    if mmap:
+        columns = [n for n, p in model.named_parameters()
+                   if not dtensor_block(p).rows_only(tuple(p.shape))]
+        out["not_mapped"], out["column_blocks"] = (
+            sorted(set().union(*gathered(names))) for names in (not_mapped(model, directory), columns))
+    return out
 
 
-SCENARIOS = {"train": train, "meta": meta, "load": load, "pretrained": pretrained}
+def gathered(value: object) -> list:
+    """``value`` from every rank."""
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+SCENARIOS = {"train": train, "meta": meta, "load": load, "pretrained": pretrained,
+             "mapped": lambda name, scratch: pretrained(name, scratch, mmap=True)}
 
 
 def run(scratch: str, *names: str) -> dict[str, dict]:

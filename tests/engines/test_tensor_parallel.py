@@ -40,7 +40,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     annot.save(build("gpt", seed=1), scratch / "gpt-weights")
     out = scratch / "results.pt"
     names = [f"{kind}:{model}" for model in MODELS for kind in ("train", "meta", "load")]
-    names.append("pretrained:llama")
+    names += ["pretrained:llama", "mapped:llama"]
     torchrun(WORKER, str(out), str(scratch), *names, nproc=WORLD, timeout=LAUNCH_TIMEOUT_S)
     return torch.load(out, weights_only=False)
 
@@ -111,6 +111,17 @@ def test_sharded_load_reads_only_own_block(results, name):
 @pytest.mark.slow
 def test_from_pretrained_reads_into_the_split_layout(results):
     _assert_every_block_right(results["pretrained:llama"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_mapped_from_pretrained_maps_row_blocks_and_reads_column_blocks(results):
+    """``mmap=True`` into TP 2 x FSDP2 2: every block right; what no rank could map is
+    exactly the row-wise split weights (a column block is not one byte range)."""
+    got = results["mapped:llama"]
+    _assert_every_block_right(got)
+    assert got["column_blocks"] and len(got["column_blocks"]) < len(got["names"])
+    assert got["not_mapped"] == got["column_blocks"]
 
 
 @pytest.mark.distributed

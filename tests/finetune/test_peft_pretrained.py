@@ -9,7 +9,8 @@ import torch
 
 import annot
 from tests.finetune.cases import LORA, SEED
-from tests.huggingface.hf_archs import ARCHS, not_mapped, probe_inputs
+from tests.huggingface.hf_archs import ARCHS, probe_inputs
+from tests.mapped_files import not_mapped
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

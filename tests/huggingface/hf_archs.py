@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from annot.meta.layout import local
 from tests.reference import train_reference
 
 VOCAB = 128
@@ -189,15 +188,3 @@ def planted_sentinel(saved_models: Any) -> Path:
     the fixture's `SavedModels`)."""
     return saved_models.root / "PLANTED-PICKLE-RAN"
 
-
-def not_mapped(model: torch.nn.Module, directory: Path) -> list[str]:
-    """Parameters whose (local) storage does not lie in a mapping of a file of
-    ``directory``, from /proc/self/maps: what ``mmap=True`` did not map."""
-    ranges = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and Path(fields[5]).parent == Path(directory):
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            ranges.append((start, end))
-    return [n for n, p in model.named_parameters()
-            if not any(a <= local(p).data_ptr() < b for a, b in ranges)]

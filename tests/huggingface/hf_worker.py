@@ -33,10 +33,10 @@ from tests.huggingface.hf_archs import (
     batches,
     count_recomputation,
     make_optimizer,
-    not_mapped,
     probe_inputs,
     rank_rows,
 )
+from tests.mapped_files import not_mapped
 
 
 def train(name: str, engine: str) -> dict:
