@@ -134,7 +134,7 @@ def auto_wrap(
     checkpointed = steps.checkpoint_paths(model, plan, checkpoint)
     prepare_for_training(model, checkpointing=bool(checkpointed)) # 3. HF training settings
     if load_from is not None and not deferred:                    # a model with storage
-        load_logged(model, load_from, request.device, mmap=mmap)
+        load_logged(model, load_from, request.device)
     before = list(model.parameters())
     steps.prepare(model, request, opts, checkpointed)             # 4. tools inside the units
     if deferred and steps.fills_before_wrap:                      # 5. storage and values

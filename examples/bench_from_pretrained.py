@@ -142,8 +142,6 @@ def worker(way: str, directory: str) -> None:
         return
     if way in ("annot", "annot_mmap"):
         model = annot.from_pretrained(directory, "fsdp2", mmap=way == "annot_mmap")
-        if way == "annot_mmap":
-            loaded_bytes = sum(t.to_local().numel() * t.element_size() for t in model.state_dict().values())
     elif way == "transformers":
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
         loaded_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -168,6 +166,8 @@ def worker(way: str, directory: str) -> None:
     # Read every tensor this rank holds once, as the first training step will: a
     # memory-mapped checkpoint is paged in, and counted in RSS, only when touched.
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in model.state_dict().values()]
+    if way == "annot_mmap":  # mapped, not read: rchar does not see it
+        loaded_bytes = sum(t.nbytes for t in tensors)
     with torch.no_grad():
         for tensor in tensors:
             tensor.sum()

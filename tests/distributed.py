@@ -149,6 +149,15 @@ def native_crash(output: str) -> str | None:
     return _SIGNALS[match.group(1)] if match else None
 
 
+def gathered(value: Any) -> list[Any]:
+    """``value`` from every rank, in rank order (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def worker_main(run: Callable[..., Any]) -> None:
     """The entry of a worker script run under torchrun as ``script OUT [ARG ...]``: joins
     the gloo process group, calls ``run(*ARGS)`` on every rank, and rank 0 saves what it

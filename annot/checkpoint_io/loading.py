@@ -367,10 +367,11 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]], match: _Ma
                 target = names[group[0]]
                 source = file_key[name_in_model]
                 target_parts = parts.get(id(target))
-                replacement = _mapped(handle, source, target) if mmap else None
+                block = _block(target)
+                replacement = _mapped(handle, source, target, block) if mmap else None
                 if replacement is not None:
                     mapped.update(dict.fromkeys(group, replacement))
-                    mapped_bytes += local(replacement).numel() * local(replacement).element_size()
+                    mapped_bytes += local(replacement).nbytes
                     loaded += 1
                     progress.advance()
                     continue
@@ -379,23 +380,23 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]], match: _Ma
                     loaded += 1
                     progress.advance()
                     continue
-                read += _fill_tensor(handle, source, [local(names[name]) for name in group], _block(target))
+                read += _fill_tensor(handle, source, [local(names[name]) for name in group], block)
                 loaded += 1
                 progress.advance()
         _assign(model, mapped)
     return loaded, read, mapped_bytes
 
 
-def _mapped(handle: SafetensorsFile, source: str, target: torch.Tensor) -> torch.Tensor | None:
-    """A replacement for ``target`` whose storage (this rank's rows) is mapped from the
-    file: the same kind of tensor (Parameter, DTensor on the same mesh and placements),
+def _mapped(handle: SafetensorsFile, source: str, target: torch.Tensor,
+            block: Block | None) -> torch.Tensor | None:
+    """A replacement for ``target`` (of which this rank keeps ``block``) whose storage is
+    mapped from the file: the same kind of tensor (Parameter, DTensor on the same mesh and placements),
     shape and strides. ``None`` when it must be read: another dtype (converted on
     reading), columns of a tensor-parallel split, a layout the rows do not have."""
     part = local(target)
     full_shape = handle.shape(source)
     if handle.dtype(source) != part.dtype or part.device.type != "cpu" or not part.numel():
         return None
-    block = _block(target)
     if block is None or not full_shape:
         rows = (0, full_shape[0] if full_shape else 1)
     elif block.rows_only(full_shape):

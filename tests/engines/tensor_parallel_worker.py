@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 import annot
 from annot.meta.layout import dtensor_block
-from tests.distributed import worker_main
+from tests.distributed import gathered, worker_main
 from tests.engines.tensor_parallel_cases import (
     DP,
     STEPS,
@@ -98,9 +98,7 @@ def own_blocks(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> lis
         want = expected[n][block.slices()] if block is not None else expected[n]
         if not torch.equal(p.to_local() if isinstance(p, DTensor) else p, want):
             wrong.append(n)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, wrong)
-    return sorted({n for names in gathered for n in names})
+    return sorted({n for names in gathered(wrong) for n in names})
 
 
 def meta(name: str, scratch: Path) -> dict:
@@ -122,8 +120,7 @@ def load(name: str, scratch: Path) -> dict:
     report = annot.load(trainer.module, scratch / f"{name}-weights")
     kept = sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes
                for t in {id(p): p for p in trainer.model.parameters()}.values())
-    read = [0] * dist.get_world_size()
-    dist.all_gather_object(read, (report.bytes_read, kept))
+    read = gathered((report.bytes_read, kept))
     mismatched = [n for n, p in trainer.model.named_parameters() if not torch.equal(full(p), expected[n])]
     return {"mismatched": mismatched, "own_blocks_wrong": own_blocks(trainer.model, expected),
             "read_and_kept": read, "names": sorted(expected)}
@@ -143,13 +140,6 @@ def pretrained(name: str, scratch: Path, mmap: bool = False) -> dict:
                    if not dtensor_block(p).rows_only(tuple(p.shape))]
         out["not_mapped"], out["column_blocks"] = (
             sorted(set().union(*gathered(names))) for names in (not_mapped(model, directory), columns))
-    return out
-
-
-def gathered(value: object) -> list:
-    """``value`` from every rank."""
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
     return out
 
 

@@ -187,4 +187,3 @@ def planted_sentinel(saved_models: Any) -> Path:
     """The file a planted pickle creates if anything ever unpickles it (``saved_models``:
     the fixture's `SavedModels`)."""
     return saved_models.root / "PLANTED-PICKLE-RAN"
-

@@ -73,15 +73,19 @@ def pretrained(directory: Path, engine: str, mmap: bool = False) -> dict:
              if not hasattr(p, "to_local") or p.to_local().numel() == p.numel()]
     with torch.no_grad():
         logits = wrapped(**probe_inputs(name)).logits
-    return {"logits": logits.detach().clone(), "whole": whole, "state": full_state(model, engine),
-            "not_mapped": not_mapped(model, directory)}
+    out = {"logits": logits.detach().clone(), "whole": whole, "state": full_state(model, engine)}
+    if mmap:
+        out["not_mapped"] = not_mapped(model, directory)
+    return out
 
 
 def mapped_training(directory: Path) -> dict:
     """3 SGD steps of the FSDP2 model loaded by reading and by mapping: losses, every
     gradient (whole), the final state, and the digest of the files before and after."""
-    files = sorted(directory.glob("*.safetensors"))
-    before = [hashlib.sha256(f.read_bytes()).hexdigest() for f in files]
+    def digests() -> list[str]:
+        return [hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(directory.glob("*.safetensors"))]
+
+    before = digests()
     runs = {}
     for mmap in (False, True):
         model = annot.from_pretrained(directory, "fsdp2", mmap=mmap)
@@ -95,8 +99,7 @@ def mapped_training(directory: Path) -> dict:
             optimizer.zero_grad()
             losses.append(loss.detach().clone())
         runs[mmap] = {"losses": losses, "grads": grads, "state": full_state(model, "fsdp2")}
-    after = [hashlib.sha256(f.read_bytes()).hexdigest() for f in files]
-    return {"read": runs[False], "mapped": runs[True], "digests": (before, after)}
+    return {"read": runs[False], "mapped": runs[True], "digests": (before, digests())}
 
 
 def full_state(model: torch.nn.Module, engine: str) -> dict[str, torch.Tensor]:

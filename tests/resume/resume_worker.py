@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import annot
-from tests.distributed import worker_main
+from tests.distributed import gathered, worker_main
 
 CONFIG = dict(n_layer=4, n_head=2, n_embd=64, vocab_size=128, block_size=16)
 ROWS = 4
@@ -108,12 +108,6 @@ def peak_bytes(call):
     # measure from its level just before this call's first allocation.
     base = events[0][2] - events[0][1]
     return result, max(total for _, _, total in events) - base
-
-
-def gathered(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def state_bytes() -> dict:
