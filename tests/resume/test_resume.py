@@ -32,6 +32,11 @@ TOLERANCE = 1e-6
 # Above this rank's share of the whole model and optimizer state: DCP's and the
 # allocator's own buffers (measured at most ~100 KB on this model).
 OVERHEAD = 256 * 1024
+# Rank 0 also coordinates DCP's plan: it gathers every rank's pickled plan (~34 KB each
+# for this model) and scatters the global one, in buffers of world x plan bytes, several
+# alive at once: at 4 ranks 8 plans' worth at rank 0's peak here, 13 in one CI run (the
+# profiler's memory events). They grow with the world and the tensor count, not bytes.
+PLAN = 40 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -132,20 +137,30 @@ def test_save_keeps_the_last_k(root, saved):
     assert {".metadata", "trainer_state.json", "rng-rank00000.json", "rng-rank00001.json"} <= set(record["files"])
 
 
-def _bound(saved: dict, engine: str, world: int) -> int:
+def _bound(saved: dict, engine: str, world: int, rank: int) -> int:
     full = saved[engine]["bytes"]
+    coordinator = 4 * world * PLAN if rank == 0 else 0
     if engine == "zero2":  # parameters whole on every rank, optimizer state partitioned
-        return full["model"] + full["optimizer"] // world + OVERHEAD
-    return (full["model"] + full["optimizer"]) // world + OVERHEAD
+        return full["model"] + full["optimizer"] // world + OVERHEAD + coordinator
+    return (full["model"] + full["optimizer"]) // world + OVERHEAD + coordinator
+
+
+def _within(peaks: list[int], saved: dict, engine: str) -> bool:
+    """Every rank's peak within its own bound."""
+    world = len(peaks)
+    return all(peak <= _bound(saved, engine, world, rank) for rank, peak in enumerate(peaks))
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", "fsdp1", "zero2", "zero3"])
 def test_no_rank_holds_the_whole_state_while_saving_or_loading(saved, on_two, engine):
-    bound = _bound(saved, engine, 2)
     whole = saved[engine]["bytes"]["model"] + saved[engine]["bytes"]["optimizer"]
-    assert bound < 0.8 * whole  # the bound itself is well below the whole state
-    assert max(saved[engine]["save_peak"]) <= bound
-    assert max(on_two[f"{engine}:{engine}"]["load_peak"]) <= bound
+    # A rank holding the whole state would break its bound (ZeRO-2 keeps the model whole:
+    # its bounds are the loosest, still a partitioned optimizer state's below).
+    assert _bound(saved, engine, 2, rank=1) < 0.8 * whole
+    assert _bound(saved, engine, 2, rank=0) < whole
+    assert _within(saved[engine]["save_peak"], saved, engine), saved[engine]["save_peak"]
+    peaks = on_two[f"{engine}:{engine}"]["load_peak"]
+    assert _within(peaks, saved, engine), peaks
 
 
 @pytest.mark.slow
@@ -162,4 +177,6 @@ def test_reshard_to_four_ranks(root, saved):
     on_four = resume(root, saved, ON_FOUR, 4)
     for pair in ON_FOUR:
         assert gap(saved, pair, on_four[pair]) <= TOLERANCE, pair
-        assert max(on_four[pair]["load_peak"]) <= _bound(saved, pair.split(":")[0], 4), pair
+        engine = pair.split(":")[0]
+        assert _bound(saved, engine, 4, rank=0) < 0.65 * sum(saved[engine]["bytes"].values())
+        assert _within(on_four[pair]["load_peak"], saved, engine), (pair, on_four[pair]["load_peak"])
