@@ -2,8 +2,8 @@
 one call.
 
 `from_pretrained` reads a local model directory (``config.json`` plus safetensors, one file
-or shards with an index), builds the model under `annot.meta_init` (nothing allocated),
-and hands it to `annot.auto_wrap` with ``load_from=`` the directory: FSDP2 shards the
+or shards with an index), builds the model with nothing allocated (on the meta device
+when the checkpoint completes it, else under `annot.meta_init`), and hands it to `annot.auto_wrap` with ``load_from=`` the directory: FSDP2 shards the
 model on the meta device first, then each rank reads only its own rows of every tensor;
 the initialization of what the checkpoint provides is never run, and non-persistent
 buffers (rotary frequencies, masks, scales) are recomputed from the construction record.
@@ -13,7 +13,9 @@ transformers is imported inside the functions, so ``import annot`` stays light.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,30 +133,62 @@ def build_pretrained(
     auto_class: type | str | None = None,
     peft_config: Any = None,
 ) -> nn.Module:
-    """The model of ``path``'s config, built under `annot.meta_init` (no weights read):
-    what `from_pretrained` loads into. Options as there."""
+    """The model of ``path``'s config, built with nothing allocated and no weights read:
+    what `from_pretrained` loads into. Options as there.
+
+    First on the meta device (`annot.meta.deferred.meta_device_init`, 2-3x faster than fake tensors:
+    the build was a third of a warm 1.1B load), kept only if the checkpoint supplies
+    every persistent tensor and the record computes every other one (the non-persistent
+    buffers); otherwise, and with adapters (new tensors, initialized as PEFT does), built
+    again under `annot.meta_init` (docs/design.md, pitfall 29)."""
     # Read at import by huggingface_hub, so set before transformers is first imported;
     # local_files_only below covers a process that imported it already.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
 
-    from annot.meta.deferred import meta_init
+    from annot.meta.deferred import meta_device_init, meta_init
 
     path = _model_dir(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
                                         local_files_only=True)
     dtype = _resolve_dtype(torch_dtype, config)
     factory = model_factory(config, auto_class, trust_remote_code)
-    with meta_init():
-        model = factory(config, dtype=dtype)
-        # Inside the block, so the casts are on the record and replayed.
-        for module_path in keep_in_fp32_names(model, dtype):
-            model.get_submodule(module_path).float()
-        if peft_config is not None:  # in the same block: one record for base and adapters
-            import peft
 
-            model = peft.get_peft_model(model, peft_config)
-    return model
+    def build(recording: Callable[[], contextlib.AbstractContextManager[None]]) -> nn.Module:
+        with recording():
+            model = factory(config, dtype=dtype)
+            # Inside the block, so the casts are on the record and replayed.
+            for module_path in keep_in_fp32_names(model, dtype):
+                model.get_submodule(module_path).float()
+            if peft_config is not None:  # in the same block: one record for base and adapters
+                import peft
+
+                model = peft.get_peft_model(model, peft_config)
+        return model
+
+    if peft_config is None:
+        try:
+            model = build(meta_device_init)
+        except Exception:  # noqa: BLE001 - e.g. `.item()` of a meta tensor: fake tensors can
+            pass  # (and a real error in the config is raised again by that build)
+        else:
+            if _checkpoint_completes(model, path):
+                return model
+    return build(meta_init)
+
+
+def _checkpoint_completes(model: nn.Module, path: Path) -> bool:
+    """Whether a meta-device build of ``model`` is whole once ``path`` is loaded: every
+    persistent tensor in the checkpoint (what the files lack would keep the constructor's
+    init, not transformers' ``_init_weights``, which the meta device skips) and every
+    other one computed by the record."""
+    from annot.checkpoint_io.loading import check_keys
+    from annot.meta.deferred import deferred_init_of
+
+    record = deferred_init_of(model)
+    missing, _ = check_keys(model, path)
+    return (record is not None and not missing
+            and set(record.uninitialized()) <= set(model.state_dict()))
 
 
 def _resolve_dtype(torch_dtype: torch.dtype | str | None, config: Any) -> torch.dtype:

@@ -12,6 +12,10 @@ and the tape is attached to the model. `annot.materialize` replays it.
 Replaying the tape from the random-number state at entry repeats the constructor's
 exact sequence of operations, so the values are bitwise those of plain eager
 construction with the same seed, whatever the number of ranks.
+
+`meta_device_init` records the same way on real meta tensors: faster (no fake-tensor
+dispatch), for a model a checkpoint will fill, since initialization that libraries skip
+on the meta device is missing from its tape (docs/design.md, pitfall 29).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ __all__ = [
     "TensorLayout",
     "build",
     "deferred_init_of",
+    "meta_device_init",
     "meta_init",
     "register_init",
 ]
@@ -106,6 +111,9 @@ class DeferredInit:
     # Set when an engine gave the model storage unit by unit (FSDP1, ZeRO-3) and its
     # values are not filled yet; `materialize` (or `annot.load`) clears it.
     pending: bool = False
+    # Recorded on the meta device (`meta_device_init`): library init skipped there is
+    # missing from the tape.
+    on_meta_device: bool = False
 
     def uninitialized(self) -> list[str]:
         """Names of parameters/buffers nothing ever wrote."""
@@ -115,8 +123,11 @@ class DeferredInit:
 class _Recorder(TorchDispatchMode):
     """Records every aten op under it; runs it on (fake) tensors as usual."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_meta_device: bool = False) -> None:
         super().__init__()
+        # Built on the meta device, factories were told ``device="meta"``: the replay
+        # builds on the CPU, so the record says "cpu" (fake tensors say it already).
+        self.on_meta_device = on_meta_device
         self.ops: list[Op] = []
         self.index: dict[int, int] = {}  # id(tensor) -> ref index
         self.alive: list[torch.Tensor] = []  # keeps ids and storages unique while recording
@@ -125,6 +136,8 @@ class _Recorder(TorchDispatchMode):
         self.storage_group: dict[int, int] = {}
         self.written: set[int] = set()
         self.layout: dict[int, TensorLayout] = {}
+        self.views: dict[tuple[Any, ...], int] = {}  # (storage, offset, shape, stride, dtype) -> ref
+        self.made: set[int] = set()  # refs some operation returned, or constants
         # Operations on fake tensors draw nothing from the CPU generator, so its state
         # changes inside the block only when the user's code sets it (a seed between two
         # layers): each such change is recorded with the next operation, for the replay.
@@ -132,11 +145,14 @@ class _Recorder(TorchDispatchMode):
 
     def ref(self, t: torch.Tensor) -> Ref:
         i = self.index.get(id(t))
+        if i is None and self.on_meta_device:
+            i = self._same_view(t)
         if i is None:
             i = len(self.alive)
             self.index[id(t)] = i
             self.alive.append(t)
             key = StorageWeakRef(t.untyped_storage()).cdata
+            self.views[self._view_key(t)] = i
             self.group_of[i] = self.storage_group.setdefault(key, len(self.storage_group))
             whole = (t.is_contiguous() and t.storage_offset() == 0
                      and t.numel() * t.element_size() == t.untyped_storage().nbytes())
@@ -144,21 +160,44 @@ class _Recorder(TorchDispatchMode):
             # A real tensor from outside, or a fake one standing for a literal
             # (`torch.tensor(5.0)` under FakeTensorMode keeps its value in `.constant`
             # and reaches the tape only through `lift_fresh`): a constant.
-            value = t if not isinstance(t, FakeTensor) else getattr(t, "constant", None)
+            # A meta tensor holds no value: only ever a tensor the recording made.
+            value = (getattr(t, "constant", None) if isinstance(t, FakeTensor)
+                     else None if t.is_meta else t)
             if value is not None:
                 with _disable_current_modes():  # a real copy, not a fake one
                     self.constants[i] = value.detach().clone()
                 self.written.add(self.group_of[i])
         return Ref(i)
 
+    @staticmethod
+    def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+        return (StorageWeakRef(t.untyped_storage()).cdata, t.storage_offset(), tuple(t.shape),
+                tuple(t.stride()), t.dtype)
+
+    def _same_view(self, t: torch.Tensor) -> int | None:
+        """On the meta device ``nn.Parameter(t)`` is a new tensor object over ``t``'s
+        storage made without a dispatched operation (fake tensors dispatch a ``detach``):
+        the same view of the same storage is the same recorded tensor."""
+        i = self.views.get(self._view_key(t))
+        if i is not None:
+            self.index[id(t)] = i
+            self.alive.append(t)
+        return i
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
 
         def encode(x: Any) -> Any:
-            return self.ref(x) if isinstance(x, torch.Tensor) else x
+            if isinstance(x, torch.Tensor):
+                return self.ref(x)
+            if self.on_meta_device and isinstance(x, torch.device) and x.type == "meta":
+                return _CPU
+            return x
 
-        op = Op(func, tree_map(encode, args), tree_map(encode, kwargs), tree_map(encode, out))
+        op = Op(func, _map(encode, args), _map(encode, kwargs), _map(encode, out))
+        if self.on_meta_device:
+            self._refuse_foreign_inputs(func, op)
         with _disable_current_modes():  # real tensors, compared outside the fake mode
             state = torch.get_rng_state()
             if not torch.equal(state, self.rng_state):
@@ -167,17 +206,57 @@ class _Recorder(TorchDispatchMode):
         self._note_writes(func, args, op)
         return out
 
+    def _refuse_foreign_inputs(self, func: Any, op: Op) -> None:
+        """A meta tensor no recorded operation made (built before the block, or by a
+        path that dispatches nothing) has no value the replay could start from."""
+        self.made.update(r.index for r in _leaves(op.out) if isinstance(r, Ref))
+        for r in _leaves((op.args, op.kwargs)):
+            if isinstance(r, Ref) and r.index not in self.made and r.index not in self.constants:
+                raise DeferredInitError(
+                    f"{func} reads a meta tensor that no recorded operation made: its "
+                    "value cannot be replayed")
+
     def _note_writes(self, func: Any, args: tuple[Any, ...], op: Op) -> None:
         schema = func._schema
         for argument, value in zip(schema.arguments, args, strict=False):
             if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
                 self.written.add(self.group_of[self.index[id(value)]])
         if func not in UNINITIALIZED:
-            for returned, ref in zip(schema.returns, tree_flatten(op.out)[0], strict=False):
+            for returned, ref in zip(schema.returns, _leaves(op.out), strict=False):
                 if isinstance(ref, Ref) and returned.alias_info is None:  # fresh contents
                     self.written.add(self.group_of[ref.index])
 
 
+def _map(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``tree_map`` for what aten operations take and return (plain tuples, lists and
+    dicts of leaves) without pytree's per-node bookkeeping, which was most of the
+    recording's own time (profiled); any other container goes to pytree."""
+    kind = type(x)
+    if kind is tuple or kind is list:
+        return kind(_map(fn, v) for v in x)
+    if kind is dict:
+        return {k: _map(fn, v) for k, v in x.items()}
+    if isinstance(x, (tuple, list, dict)):  # a named tuple, a subclass: pytree knows them
+        return tree_map(fn, x)
+    return fn(x)
+
+
+def _leaves(x: Any) -> Iterator[Any]:
+    """The leaves of what `_map` maps, in the same order as ``tree_flatten``."""
+    kind = type(x)
+    if kind is tuple or kind is list:
+        for v in x:
+            yield from _leaves(v)
+    elif kind is dict:
+        for v in x.values():
+            yield from _leaves(v)
+    elif isinstance(x, (tuple, list, dict)):
+        yield from tree_flatten(x)[0]
+    else:
+        yield x
+
+
+_CPU = torch.device("cpu")
 _registered_inits: dict[type, Callable[[nn.Module], None]] = {}
 
 
@@ -197,13 +276,31 @@ def meta_init() -> Iterator[None]:
     part of another one built there gets the record attached; pass it to
     `annot.materialize` (or `annot.auto_wrap`) to give it real values.
     """
+    with _recording(FakeTensorMode(allow_non_fake_inputs=True), _Recorder()):
+        yield
+
+
+@contextlib.contextmanager
+def meta_device_init() -> Iterator[None]:
+    """`meta_init` on the meta device instead of fake CPU tensors: 2-3x faster to build,
+    but code that skips initialization on the meta device (transformers' ``_init_weights``)
+    skips it here too, so the record holds only what the constructors compute themselves
+    (``nn.Linear``'s own init, rotary frequencies). Right only for a model whose
+    checkpoint supplies every persistent tensor, and only if nothing computes a buffer
+    differently on the meta device (`annot.from_pretrained` checks the first and falls
+    back to `meta_init` otherwise; docs/design.md, pitfall 29)."""
+    with _recording(torch.device("meta"), _Recorder(on_meta_device=True)):
+        yield
+
+
+@contextlib.contextmanager
+def _recording(tensor_mode: contextlib.AbstractContextManager[Any], recorder: _Recorder) -> Iterator[None]:
+    """The body of both: record under ``tensor_mode``, then swap in meta tensors."""
     global _active
     if _active:
         raise DeferredInitError(
             "annot.meta_init() blocks do not nest: build everything in one block (a model "
             "and the adapters or heads added to it), or close the first block before the next")
-    recorder = _Recorder()
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     rng_state = torch.get_rng_state()
     built: list[nn.Module] = []
     original_call = _capture_roots(built)
@@ -211,7 +308,7 @@ def meta_init() -> Iterator[None]:
 
     _active = True
     try:
-        with opaque_inits(), _noop_to_returns_self(), fake_mode, recorder:
+        with opaque_inits(), _noop_to_returns_self(), tensor_mode, recorder:
             yield
             for root in _roots(built):
                 _init_untouched(root, recorder)
@@ -343,4 +440,5 @@ def _to_meta(root: nn.Module, recorder: _Recorder, rng_state: torch.Tensor) -> N
         tensors=tensors,
         module_of=module_of,
         layout=recorder.layout,
+        on_meta_device=recorder.on_meta_device,
     )

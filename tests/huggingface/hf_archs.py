@@ -98,6 +98,24 @@ ARCHS: dict[str, Arch] = {
                 kind="image"),
 }
 
+_SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+# Buffers computed in other ways than the matrix's: scaled rotary variants, newer families.
+BUFFER_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(_SMALL, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))),
+    "dynamic_rope": ("LlamaConfig", "LlamaForCausalLM", dict(_SMALL, rope_parameters=dict(
+        rope_type="dynamic", rope_theta=10000.0, factor=2.0))),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_SMALL, head_dim=8)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_SMALL, num_local_experts=2)),
+    "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM", dict(_SMALL, global_attn_every_n_layers=1)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_SMALL, head_dim=8, sliding_window=16)),
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", dict(_SMALL, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4, long_factor=[2.0] * 4,
+        original_max_position_embeddings=32))),
+}
+
 # Layers each model holds: T5 has an encoder and a decoder stack.
 LAYER_COUNT = {name: 4 if name == "t5" else 2 for name in ARCHS}
 

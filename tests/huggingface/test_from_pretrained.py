@@ -12,6 +12,7 @@ import torch
 import annot
 from tests.huggingface.hf_archs import (
     ARCHS,
+    BUFFER_VARIANTS,
     PRETRAINED_DISTRIBUTED,
     TOLERANCE,
     planted_sentinel,
@@ -99,6 +100,55 @@ def test_missing_weights_are_initialized_and_logged_or_refused_when_strict(
         model = annot.from_pretrained(tmp_path / "m", engine=None)
     assert "model.layers.2." in caplog.text and "kept their initialization" in caplog.text
     assert not any(t.is_meta for t in model.state_dict().values())
+
+
+def _built_on_meta_device(directory, **options) -> bool:
+    from annot.huggingface.pretrained import build_pretrained
+    from annot.meta.deferred import deferred_init_of
+
+    record = deferred_init_of(build_pretrained(directory, **options))
+    assert record is not None
+    return record.on_meta_device
+
+
+def test_the_build_is_on_the_meta_device_only_when_the_checkpoint_completes_it(saved_models, tmp_path):
+    """Faster on the meta device, where transformers' init is skipped: kept when the files
+    hold every persistent tensor and the tape computes the rest, else built again on fake
+    tensors (docs/design.md, pitfall 29)."""
+    import shutil
+
+    import peft
+
+    assert _built_on_meta_device(saved_models["llama"])
+    assert _built_on_meta_device(saved_models["bert"])
+    assert not _built_on_meta_device(saved_models["gemma"])  # embed_scale: a literal
+    assert not _built_on_meta_device(saved_models["bert"], auto_class="AutoModel")  # a new pooler
+    shutil.copytree(saved_models["llama"], tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["num_hidden_layers"] = 3  # a layer the files lack
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    assert not _built_on_meta_device(tmp_path / "m")
+    lora = peft.LoraConfig(r=2, target_modules=["q_proj"])
+    assert not _built_on_meta_device(saved_models["llama"], peft_config=lora)  # new adapters
+
+
+@pytest.mark.parametrize("name, on_meta_device", [("llama3_rope", True), ("phi3_longrope", False)])
+def test_rescaled_rotary_variants_load_as_transformers(tmp_path, name, on_meta_device):
+    """Llama 3's rotary rescaling is computed on the meta device; Phi-3's long-rope
+    factors are a literal there, so that build is refused and made again on fake tensors.
+    Either way the logits are transformers' own from the same files."""
+    import transformers
+
+    config_class, model_class, options = BUFFER_VARIANTS[name]
+    cls = getattr(transformers, model_class)
+    torch.manual_seed(0)
+    cls(getattr(transformers, config_class)(**options)).save_pretrained(tmp_path)
+    assert _built_on_meta_device(tmp_path) is on_meta_device
+    tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = annot.from_pretrained(tmp_path, engine=None)(input_ids=tokens).logits
+        theirs = cls.from_pretrained(tmp_path)(input_ids=tokens).logits
+    assert torch.equal(ours, theirs)
 
 
 def test_head_the_files_lack_is_initialized_as_transformers_does(saved_models):

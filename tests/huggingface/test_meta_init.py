@@ -4,15 +4,23 @@ eager construction bitwise (parameters and buffers, non-persistent ones included
 This covers two things transformers models need from the recorder: torch 2.13's
 rejection-sampling ``trunc_normal_`` (ViT's init; value-dependent, so recorded as one
 opaque operation) and scalar constants made by ``torch.tensor(x)`` in a constructor
-(Gemma's ``embed_scale``), which reach the record only as fake tensors."""
+(Gemma's ``embed_scale``), which reach the record only as fake tensors.
+
+Built on the meta device instead (`meta_device_init`, what `from_pretrained` tries
+first): every non-persistent buffer the tape computes is eager's, and the one it cannot
+compute is reported (docs/design.md, pitfall 29)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 
 import annot
-from tests.huggingface.hf_archs import ARCHS, SEED
+from annot.meta.deferred import DeferredInitError, deferred_init_of, meta_device_init
+from annot.meta.materialization import materialize
+from tests.huggingface.hf_archs import ARCHS, BUFFER_VARIANTS, SEED
 
 
 def _everything(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -42,3 +50,56 @@ def test_trunc_normal_outside_meta_init_is_torch_own():
     torch.manual_seed(1)
     b = torch.nn.init.trunc_normal_(torch.empty(1000), std=0.5)
     assert torch.equal(a, b) and a.abs().max() <= 2.0
+
+
+# A literal made by torch.tensor(x) on the meta device keeps no value: either nothing
+# writes the buffer (reported unwritten) or an operation reads it (refused at once).
+NOT_ON_THE_META_TAPE = {"gemma": {"model.embed_tokens.embed_scale"},
+                        "gemma3": {"model.embed_tokens.embed_scale"}}
+REFUSED_ON_THE_META_DEVICE = {"phi3_longrope"}  # its rescaling factors: torch.tensor(list)
+
+
+def _model_and_build(name: str) -> tuple[type, Any]:
+    import transformers
+
+    if name in ARCHS:
+        return ARCHS[name].model_cls(), ARCHS[name].config()
+    config_class, model_class, options = BUFFER_VARIANTS[name]
+    return getattr(transformers, model_class), getattr(transformers, config_class)(**options)
+
+
+@pytest.mark.parametrize("name", [*ARCHS, *BUFFER_VARIANTS])
+def test_meta_device_build_computes_non_persistent_buffers_as_eager(name):
+    """What a checkpoint cannot supply (non-persistent buffers: rotary frequencies,
+    position ids) comes from the tape: bitwise eager's, or reported as unwritten, or the
+    build is refused."""
+    cls, config = _model_and_build(name)
+    torch.manual_seed(SEED)
+    eager = cls(config)
+    if name in REFUSED_ON_THE_META_DEVICE:
+        with pytest.raises(DeferredInitError, match="no recorded operation made"), meta_device_init():
+            cls(config)
+        return
+    with meta_device_init():
+        deferred = cls(config)
+    record = deferred_init_of(deferred)
+    assert record is not None and record.on_meta_device
+    persistent = set(deferred.state_dict())
+    unwritten = set(record.uninitialized()) - persistent
+    assert unwritten == NOT_ON_THE_META_TAPE.get(name, set())
+    if unwritten:
+        with pytest.raises(DeferredInitError, match="no init path"):
+            materialize(deferred, skip=persistent)
+        return
+    materialize(deferred, skip=persistent)  # the persistent ones are the checkpoint's
+    expected, actual = dict(eager.named_buffers()), dict(deferred.named_buffers())
+    computed = set(actual) - persistent
+    assert [n for n in computed if not torch.equal(expected[n], actual[n])] == []
+
+
+def test_a_meta_tensor_no_recorded_operation_made_is_refused():
+    outside = torch.ones(3, device="meta")
+    with pytest.raises(DeferredInitError, match="no recorded operation made"), meta_device_init():
+        layer = torch.nn.Linear(3, 3)
+        with torch.no_grad():
+            layer.bias.copy_(outside)
