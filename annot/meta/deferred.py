@@ -43,6 +43,8 @@ __all__ = [
     "TensorLayout",
     "build",
     "deferred_init_of",
+    "leaves",
+    "map_leaves",
     "meta_device_init",
     "meta_init",
     "register_init",
@@ -195,7 +197,7 @@ class _Recorder(TorchDispatchMode):
                 return _CPU
             return x
 
-        op = Op(func, _map(encode, args), _map(encode, kwargs), _map(encode, out))
+        op = Op(func, map_leaves(encode, args), map_leaves(encode, kwargs), map_leaves(encode, out))
         if self.on_meta_device:
             self._refuse_foreign_inputs(func, op)
         with _disable_current_modes():  # real tensors, compared outside the fake mode
@@ -209,8 +211,8 @@ class _Recorder(TorchDispatchMode):
     def _refuse_foreign_inputs(self, func: Any, op: Op) -> None:
         """A meta tensor no recorded operation made (built before the block, or by a
         path that dispatches nothing) has no value the replay could start from."""
-        self.made.update(r.index for r in _leaves(op.out) if isinstance(r, Ref))
-        for r in _leaves((op.args, op.kwargs)):
+        self.made.update(r.index for r in leaves(op.out) if isinstance(r, Ref))
+        for r in leaves((op.args, op.kwargs)):
             if isinstance(r, Ref) and r.index not in self.made and r.index not in self.constants:
                 raise DeferredInitError(
                     f"{func} reads a meta tensor that no recorded operation made: its "
@@ -222,34 +224,34 @@ class _Recorder(TorchDispatchMode):
             if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
                 self.written.add(self.group_of[self.index[id(value)]])
         if func not in UNINITIALIZED:
-            for returned, ref in zip(schema.returns, _leaves(op.out), strict=False):
+            for returned, ref in zip(schema.returns, leaves(op.out), strict=False):
                 if isinstance(ref, Ref) and returned.alias_info is None:  # fresh contents
                     self.written.add(self.group_of[ref.index])
 
 
-def _map(fn: Callable[[Any], Any], x: Any) -> Any:
+def map_leaves(fn: Callable[[Any], Any], x: Any) -> Any:
     """``tree_map`` for what aten operations take and return (plain tuples, lists and
     dicts of leaves) without pytree's per-node bookkeeping, which was most of the
     recording's own time (profiled); any other container goes to pytree."""
     kind = type(x)
     if kind is tuple or kind is list:
-        return kind(_map(fn, v) for v in x)
+        return kind(map_leaves(fn, v) for v in x)
     if kind is dict:
-        return {k: _map(fn, v) for k, v in x.items()}
+        return {k: map_leaves(fn, v) for k, v in x.items()}
     if isinstance(x, (tuple, list, dict)):  # a named tuple, a subclass: pytree knows them
         return tree_map(fn, x)
     return fn(x)
 
 
-def _leaves(x: Any) -> Iterator[Any]:
-    """The leaves of what `_map` maps, in the same order as ``tree_flatten``."""
+def leaves(x: Any) -> Iterator[Any]:
+    """The leaves of what `map_leaves` maps, in the same order as ``tree_flatten``."""
     kind = type(x)
     if kind is tuple or kind is list:
         for v in x:
-            yield from _leaves(v)
+            yield from leaves(v)
     elif kind is dict:
         for v in x.values():
-            yield from _leaves(v)
+            yield from leaves(v)
     elif isinstance(x, (tuple, list, dict)):
         yield from tree_flatten(x)[0]
     else:

@@ -21,7 +21,6 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten, tree_map
 
 from annot._progress import Progress
 from annot.meta.deferred import (
@@ -30,6 +29,8 @@ from annot.meta.deferred import (
     DeferredInitError,
     Ref,
     deferred_init_of,
+    leaves,
+    map_leaves,
 )
 from annot.meta.layout import WHOLE, FlatPart, ShardLayout, dtensor_block, local
 from annot.module_state import module_state, peek_state
@@ -113,7 +114,7 @@ def _op_refs(record: DeferredInit) -> list[_OpRefs]:
     """Each operation's tensor inputs (the `Ref`s of its args and kwargs, in order) and
     its flattened outputs, flattened once: flattening every operation again in each pass
     below took about 0.3 s of a 1.1B Llama's load (profiled)."""
-    return [([x for x in tree_flatten((op.args, op.kwargs))[0] if isinstance(x, Ref)], tree_flatten(op.out)[0])
+    return [([x for x in leaves((op.args, op.kwargs)) if isinstance(x, Ref)], list(leaves(op.out)))
             for op in record.ops]
 
 
@@ -263,7 +264,7 @@ def _replay(record: DeferredInit, refs: list[_OpRefs], targets: dict[str, torch.
             return x
         if x.index not in env:
             op, position = lazy.pop(x.index)
-            outputs = tree_flatten(op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs)))[0]
+            outputs = list(leaves(op.func(*map_leaves(resolve, op.args), **map_leaves(resolve, op.kwargs))))
             env[x.index] = outputs[position]
         return env[x.index]
 
@@ -277,7 +278,7 @@ def _replay(record: DeferredInit, refs: list[_OpRefs], targets: dict[str, torch.
                 if result is None:
                     lazy[ref.index] = (op, position)
                 else:
-                    env[ref.index] = tree_flatten(result)[0][position]
+                    env[ref.index] = list(leaves(result))[position]
 
     saved_rng = torch.get_rng_state()
     torch.set_rng_state(record.rng_state)
@@ -298,13 +299,13 @@ def _replay(record: DeferredInit, refs: list[_OpRefs], targets: dict[str, torch.
                 elif i in schedule.dead:
                     layout = record.layout[schedule.target[i]]
                     scratch = torch.empty_strided(layout.shape, layout.stride, dtype=layout.dtype)
-                    op.func(scratch, *tree_map(resolve, op.args[1:]), **tree_map(resolve, op.kwargs))
+                    op.func(scratch, *map_leaves(resolve, op.args[1:]), **map_leaves(resolve, op.kwargs))
                     storage = scratch.untyped_storage()
                     scratches.append((StorageWeakRef(storage), storage.nbytes()))
                     stats.peak_bytes = max(stats.peak_bytes, _alive_bytes(env) + storage.nbytes())
                     del scratch, storage  # before the next op allocates: one full tensor at a time
                 else:
-                    remember(op, outputs, op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs)))
+                    remember(op, outputs, op.func(*map_leaves(resolve, op.args), **map_leaves(resolve, op.kwargs)))
                 # A scratch still referenced here would overlap the next allocation: count it.
                 scratches = [(ref, n) for ref, n in scratches if not ref.expired()]
                 stats.peak_bytes = max(stats.peak_bytes, _alive_bytes(env) + sum(n for _, n in scratches))
