@@ -49,8 +49,8 @@ def from_pretrained(
     Steps: read ``config.json`` (offline: the hub is never contacted); pick the class
     (``auto_class`` if given, a class or a name like ``"AutoModelForCausalLM"``; else the
     config's ``architectures``; else the first of `AUTO_CLASS_ORDER` that knows the
-    config); build it under `annot.meta_init` in ``torch_dtype`` (``None``/``"auto"``: the
-    config's ``dtype``, else float32), keeping ``_keep_in_fp32_modules`` in float32 as
+    config); build it with nothing allocated (`build_pretrained`) in ``torch_dtype``
+    (``None``/``"auto"``: the config's ``dtype``, else float32), keeping ``_keep_in_fp32_modules`` in float32 as
     transformers does (for float16; ``_keep_in_fp32_modules_strict`` also for bfloat16);
     then ``annot.auto_wrap(model, engine, load_from=path, **auto_wrap_options)``.
 
