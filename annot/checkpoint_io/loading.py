@@ -35,7 +35,7 @@ from annot.huggingface.keys import checkpoint_renamer, peft_renamer
 from annot.huggingface.model import is_peft_model, is_pretrained_model
 from annot.meta.deferred import deferred_init_of
 from annot.meta.layout import WHOLE, Block, FlatPart, ShardLayout, dtensor_block, local
-from annot.meta.materialization import materialize
+from annot.meta.materialization import materialize, sharded_device
 
 __all__ = ["CheckpointError", "LoadReport", "check_keys", "load", "load_logged", "state_names"]
 
@@ -126,20 +126,14 @@ def _refuse_mapping(model: nn.Module, path: Path, device: torch.device | str | N
                "which cannot point at the file")
     elif device is not None and torch.device(device).type != "cpu":
         why = f"the weights go to {device}, so they are copied anyway"
-    elif (mesh_device := _mesh_device(model)) not in (None, "cpu"):
-        why = f"the model's device mesh is on {mesh_device}, so the weights are copied anyway"
+    elif (mesh_device := sharded_device(model)) is not None and mesh_device.type != "cpu":
+        why = f"the model's device mesh is on {mesh_device.type}, so the weights are copied anyway"
     elif not any(local(t).is_meta for t in [*model.parameters(), *model.buffers()]):
         # Parameters that already exist may be referenced (an optimizer, an engine's
         # state): replacing them would leave those holding the old ones.
         why = "the model already has storage; mapping replaces parameters, so it needs a model on the meta device"
     if why is not None:
         raise CheckpointError(f"mmap=True cannot load {path}: {why}. Load without mmap.")
-
-
-def _mesh_device(model: nn.Module) -> str | None:
-    """The device type of the first DTensor parameter's mesh; ``None`` without one."""
-    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
-    return mesh.device_type if mesh is not None else None
 
 
 def load_logged(model: nn.Module, path: str | os.PathLike[str], device: torch.device | None,
@@ -321,9 +315,10 @@ def _allocate(model: nn.Module, device: torch.device | str | None, skip: set[str
         return
     if record is not None:
         if mapped is not None:
-            _assign(model, {**_empty_for_unmapped(model, layout, mapped), **mapped})
-            _allocate_meta_buffers(model)
-        materialize(model, device=device, skip=skip, layout=layout)
+            _give_storage(model, layout, mapped)
+        # The replay may still compute a mapped group (a buffer derived from it): never
+        # write its initial values into the file's pages.
+        materialize(model, device=device, skip=skip, layout=layout, keep=set(mapped or ()))
         return
     meta_buffers = [
         f"{path}.{name}" if path else name
@@ -450,35 +445,28 @@ def _like(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _empty_for_unmapped(model: nn.Module, layout: ShardLayout,
-                        mapped: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An empty CPU tensor of the same kind for every state tensor still on the meta
-    device and not mapped (tied names share one)."""
-    made: dict[int, torch.Tensor] = {}
-    out = {}
-    for name, tensor in state_names(model, layout).items():
-        part = local(tensor)
-        if name in mapped or not part.is_meta:
-            continue
-        if id(tensor) not in made:
+def _give_storage(model: nn.Module, layout: ShardLayout, mapped: dict[str, torch.Tensor]) -> None:
+    """Put ``mapped`` in the model, and an empty CPU tensor of the same kind for every
+    other tensor still on the meta device (the record's replay and the reads fill them).
+    One new tensor per old one: tied names, and a non-persistent buffer that is a
+    persistent tensor under another name, stay one tensor."""
+    names = state_names(model, layout)
+    new = {id(names[name]): value for name, value in mapped.items()}
+
+    def replacement(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in new:
+            part = local(tensor)
             empty = torch.empty_strided(part.shape, part.stride(), dtype=part.dtype, device="cpu")
-            made[id(tensor)] = _like(tensor, empty)
-        out[name] = made[id(tensor)]
-    return out
+            new[id(tensor)] = _like(tensor, empty)
+        return new[id(tensor)]
 
-
-def _allocate_meta_buffers(model: nn.Module) -> None:
-    """Storage for non-persistent buffers still on the meta device (the record's replay
-    computes them); a buffer shared by modules stays shared."""
-    made: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for name in module._non_persistent_buffers_set:
-            buffer = module._buffers.get(name)
-            if buffer is not None and buffer.is_meta:
-                if id(buffer) not in made:
-                    made[id(buffer)] = torch.empty_strided(buffer.shape, buffer.stride(),
-                                                           dtype=buffer.dtype, device="cpu")
-                module._buffers[name] = made[id(buffer)]
+    buffers = [(module, name, buffer) for module in model.modules()
+               for name in module._non_persistent_buffers_set
+               if (buffer := module._buffers.get(name)) is not None and buffer.is_meta]
+    _assign(model, {name: replacement(tensor) for name, tensor in names.items()
+                    if name in mapped or local(tensor).is_meta})
+    for module, name, buffer in buffers:
+        module._buffers[name] = replacement(buffer)
 
 
 def _assign(model: nn.Module, values: dict[str, torch.Tensor]) -> None:

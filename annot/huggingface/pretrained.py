@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,8 @@ def build_pretrained(
         return model
 
     if peft_config is None:
+        # A constructor that seeds draws the same again in the second build.
+        rng = torch.get_rng_state(), random.getstate()
         try:
             model = build(meta_device_init)
         except Exception:  # noqa: BLE001 - e.g. `.item()` of a meta tensor: fake tensors can
@@ -174,6 +177,8 @@ def build_pretrained(
         else:
             if _checkpoint_completes(model, path):
                 return model
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
     return build(meta_init)
 
 

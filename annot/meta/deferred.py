@@ -154,7 +154,8 @@ class _Recorder(TorchDispatchMode):
             self.index[id(t)] = i
             self.alive.append(t)
             key = StorageWeakRef(t.untyped_storage()).cdata
-            self.views[self._view_key(t)] = i
+            if self.on_meta_device:
+                self.views[self._view_key(t, key)] = i
             self.group_of[i] = self.storage_group.setdefault(key, len(self.storage_group))
             whole = (t.is_contiguous() and t.storage_offset() == 0
                      and t.numel() * t.element_size() == t.untyped_storage().nbytes())
@@ -172,15 +173,14 @@ class _Recorder(TorchDispatchMode):
         return Ref(i)
 
     @staticmethod
-    def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
-        return (StorageWeakRef(t.untyped_storage()).cdata, t.storage_offset(), tuple(t.shape),
-                tuple(t.stride()), t.dtype)
+    def _view_key(t: torch.Tensor, storage: int) -> tuple[Any, ...]:
+        return (storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
     def _same_view(self, t: torch.Tensor) -> int | None:
         """On the meta device ``nn.Parameter(t)`` is a new tensor object over ``t``'s
         storage made without a dispatched operation (fake tensors dispatch a ``detach``):
         the same view of the same storage is the same recorded tensor."""
-        i = self.views.get(self._view_key(t))
+        i = self.views.get(self._view_key(t, StorageWeakRef(t.untyped_storage()).cdata))
         if i is not None:
             self.index[id(t)] = i
             self.alive.append(t)
@@ -211,12 +211,12 @@ class _Recorder(TorchDispatchMode):
     def _refuse_foreign_inputs(self, func: Any, op: Op) -> None:
         """A meta tensor no recorded operation made (built before the block, or by a
         path that dispatches nothing) has no value the replay could start from."""
-        self.made.update(r.index for r in leaves(op.out) if isinstance(r, Ref))
-        for r in leaves((op.args, op.kwargs)):
+        for r in leaves((op.args, op.kwargs)):  # before the outputs: an in-place op returns its input
             if isinstance(r, Ref) and r.index not in self.made and r.index not in self.constants:
                 raise DeferredInitError(
                     f"{func} reads a meta tensor that no recorded operation made: its "
                     "value cannot be replayed")
+        self.made.update(r.index for r in leaves(op.out) if isinstance(r, Ref))
 
     def _note_writes(self, func: Any, args: tuple[Any, ...], op: Op) -> None:
         schema = func._schema

@@ -45,7 +45,7 @@ def replay_stats(model: nn.Module) -> ReplayStats | None:
 
 def materialize(model: nn.Module, *, device: torch.device | str | None = None,
                 progress: bool | None = None, skip: set[str] | frozenset[str] = frozenset(),
-                layout: ShardLayout = WHOLE) -> nn.Module:
+                layout: ShardLayout = WHOLE, keep: set[str] | frozenset[str] = frozenset()) -> nn.Module:
     """Allocate ``model``'s tensors on ``device`` (default: CPU, or the device its sharded
     parameters were placed on) and fill them from the `meta_init` record. Returns the model.
 
@@ -53,8 +53,11 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     when a module owns parameters nothing initializes, or when a tensor is left on the
     meta device. The caller's random-number state is left as it was. ``skip`` names
     parameters the caller fills itself (a checkpoint load): their initialization is not
-    replayed at all. ``layout`` is where an engine that shards flattened parameters keeps
-    them on this rank (`annot.materialize` asks the engines; DTensors need none).
+    replayed at all, unless something kept is computed from it, and then it is written
+    too, except into ``keep``: tensors that already hold their values (mapped from a
+    file; what depends on them is still computed from their initial values, as eager
+    construction does). ``layout`` is where an engine that shards flattened parameters
+    keeps them on this rank (`annot.materialize` asks the engines; DTensors need none).
     """
     record = deferred_init_of(layout.bare_model(model))
     if record is None:
@@ -72,17 +75,19 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
             "Define reset_parameters() on the module, initialize them in __init__, or call "
             "annot.register_init(ModuleClass, fn)."
         )
+    refs = _op_refs(record)
+    skipped_groups = _skippable({record.group_of[record.tensors[n]] for n in skip}, record, refs)
+    _refuse_stranded_views(record, skip, skipped_groups)
     targets = _targets(model, record)
     if any(local(t).is_meta for t in targets.values()):
         # to_empty allocates only local shards for FSDP2 modules, but gives each module's
         # visit of a tied parameter its own new Parameter: tie them again right after.
-        model.to_empty(device=device or _sharded_device(model) or "cpu")
+        model.to_empty(device=device or sharded_device(model) or "cpu")
         _retie(model, record)
         targets = _targets(model, record)
-    refs = _op_refs(record)
-    skipped_groups = _skippable({record.group_of[record.tensors[n]] for n in skip}, record, refs)
     # A tied name skipped means its twin is filled from the checkpoint too.
-    fill = {n: t for n, t in targets.items() if record.group_of[record.tensors[n]] not in skipped_groups}
+    fill = {n: t for n, t in targets.items()
+            if record.group_of[record.tensors[n]] not in skipped_groups and n not in keep}
     stats = _replay(record, refs, fill, progress, skipped_groups, layout.parts)
     module_state(model).replay_stats = stats
     record.pending = False
@@ -90,6 +95,22 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     if leftover:
         raise DeferredInitError(f"still on the meta device after materializing: {', '.join(leftover)}")
     return model
+
+
+def _refuse_stranded_views(record: DeferredInit, skip: set[str] | frozenset[str],
+                           skipped_groups: set[int]) -> None:
+    """A tensor that is another view of a skipped one's storage (a non-persistent buffer
+    made as ``self.weight.detach()``) would be neither replayed nor filled by the caller:
+    allocation gives each name its own storage, so the view no longer sees the fill."""
+    filled = {record.tensors[n] for n in skip}
+    stranded = [n for n, ref in record.tensors.items()
+                if n not in skip and ref not in filled and record.group_of[ref] in skipped_groups]
+    if stranded:
+        raise DeferredInitError(
+            f"{', '.join(stranded[:6])} share storage with tensors the checkpoint fills "
+            "(a view or a detach of one), and allocating the model gives every tensor storage "
+            "of its own, so they would keep no value: make them separate tensors (or "
+            "recompute them after loading)")
 
 
 def _targets(model: nn.Module, record: DeferredInit) -> dict[str, torch.Tensor]:
@@ -153,7 +174,8 @@ def _retie(model: nn.Module, record: DeferredInit) -> None:
             first[ref] = holder[leaf]
 
 
-def _sharded_device(model: nn.Module) -> torch.device | None:
+def sharded_device(model: nn.Module) -> torch.device | None:
+    """The device of the first DTensor parameter's mesh; ``None`` without one."""
     for p in model.parameters():
         mesh = getattr(p, "device_mesh", None)
         if mesh is not None:
@@ -311,7 +333,9 @@ def _replay(record: DeferredInit, refs: list[_OpRefs], targets: dict[str, torch.
                 stats.peak_bytes = max(stats.peak_bytes, _alive_bytes(env) + sum(n for _, n in scratches))
                 for group in release_at.get(i, ()):
                     for name in names_by_group.get(group, ()):
-                        target = targets[name]
+                        target = targets.get(name)
+                        if target is None:  # kept (mapped): only computed, for what reads it
+                            continue
                         _fill(target, resolve(Ref(record.tensors[name])),
                               (flat_parts or {}).get(id(target)))
                     for index in refs_of.pop(group, ()):

@@ -151,3 +151,54 @@ def test_transformers_files_load_and_our_files_load_into_transformers(tmp_path):
     assert (tmp_path / "ours" / "config.json").is_file()
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours")
     _assert_same_state(reference, back)
+
+
+class _Derived(torch.nn.Module):
+    """A non-persistent buffer computed from a weight in the constructor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.register_buffer("weight_sum", self.a.weight.detach().sum(0), persistent=False)
+
+
+class _Alias(torch.nn.Module):
+    """A non-persistent buffer that is a view of the persistent bias's storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.register_buffer("bias_view", self.a.bias.detach(), persistent=False)
+
+
+def _saved_linear(folder, dtype: torch.dtype):
+    from safetensors.torch import save_file
+
+    save_file({"a.weight": torch.full((4, 4), 7.0, dtype=dtype), "a.bias": torch.arange(4, dtype=dtype)},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("file_dtype", [torch.float32, torch.float64])  # mapped / read (converted)
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_buffer_computed_from_a_loaded_weight_is_eager_and_the_weight_the_file(tmp_path, file_dtype, mmap):
+    """The replay computes ``weight_sum`` from the weight's initial values (as eager
+    construction does) and, with mmap, never writes them into the mapped weight."""
+    torch.manual_seed(0)
+    eager = _Derived()
+    torch.manual_seed(0)
+    with annot.meta_init():
+        model = _Derived()
+    report = annot.load(model, _saved_linear(tmp_path, file_dtype), mmap=mmap)
+    assert report.bytes_mapped == (80 if mmap and file_dtype == torch.float32 else 0)
+    assert torch.equal(model.a.weight, torch.full((4, 4), 7.0))
+    assert torch.equal(model.a.bias, torch.arange(4.0))
+    assert torch.equal(model.weight_sum, eager.weight_sum)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_buffer_viewing_a_loaded_weight_is_refused_not_left_empty(tmp_path, mmap):
+    with annot.meta_init():
+        model = _Alias()
+    with pytest.raises(annot.DeferredInitError, match="bias_view share storage"):
+        annot.load(model, _saved_linear(tmp_path, torch.float32), mmap=mmap)

@@ -35,7 +35,8 @@ OVERHEAD = 256 * 1024
 # Rank 0 also coordinates DCP's plan: it gathers every rank's pickled plan (~34 KB each
 # for this model) and scatters the global one, in buffers of world x plan bytes, several
 # alive at once: at 4 ranks 8 plans' worth at rank 0's peak here, 13 in one CI run (the
-# profiler's memory events). They grow with the world and the tensor count, not bytes.
+# profiler's memory events). They grow with the world and the tensor count, not bytes:
+# rank 0 is allowed 4 x world plans of 40 KB (16 at 4 ranks, 3 more than the most seen).
 PLAN = 40 * 1024
 
 
