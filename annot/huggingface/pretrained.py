@@ -3,8 +3,9 @@ one call.
 
 `from_pretrained` reads a local model directory (``config.json`` plus safetensors, one file
 or shards with an index), builds the model with nothing allocated (on the meta device
-when the checkpoint completes it, else under `annot.meta_init`), and hands it to `annot.auto_wrap` with ``load_from=`` the directory: FSDP2 shards the
-model on the meta device first, then each rank reads only its own rows of every tensor;
+when the checkpoint completes it, else under `annot.meta_init`), and hands it to
+`annot.auto_wrap` with ``load_from=`` the directory: FSDP2 shards the model on the meta
+device first, then each rank reads only its own rows of every tensor;
 the initialization of what the checkpoint provides is never run, and non-persistent
 buffers (rotary frequencies, masks, scales) are recomputed from the construction record.
 
@@ -51,8 +52,9 @@ def from_pretrained(
     (``auto_class`` if given, a class or a name like ``"AutoModelForCausalLM"``; else the
     config's ``architectures``; else the first of `AUTO_CLASS_ORDER` that knows the
     config); build it with nothing allocated (`build_pretrained`) in ``torch_dtype``
-    (``None``/``"auto"``: the config's ``dtype``, else float32), keeping ``_keep_in_fp32_modules`` in float32 as
-    transformers does (for float16; ``_keep_in_fp32_modules_strict`` also for bfloat16);
+    (``None``/``"auto"``: the config's ``dtype``, else float32), keeping
+    ``_keep_in_fp32_modules`` in float32 as transformers does (for float16;
+    ``_keep_in_fp32_modules_strict`` also for bfloat16);
     then ``annot.auto_wrap(model, engine, load_from=path, **auto_wrap_options)``.
 
     Memory: with ``engine="fsdp2"`` each rank allocates and reads only its shards, no rank
@@ -137,8 +139,8 @@ def build_pretrained(
     """The model of ``path``'s config, built with nothing allocated and no weights read:
     what `from_pretrained` loads into. Options as there.
 
-    First on the meta device (`annot.meta.deferred.meta_device_init`, 2-3x faster than fake tensors:
-    the build was a third of a warm 1.1B load), kept only if the checkpoint supplies
+    First on the meta device (`annot.meta.deferred.meta_device_init`, 2-3x faster than
+    fake tensors: the build was a third of a warm 1.1B load), kept only if the checkpoint supplies
     every persistent tensor and the record computes every other one (the non-persistent
     buffers); otherwise, and with adapters (new tensors, initialized as PEFT does), built
     again under `annot.meta_init` (docs/design.md, pitfall 29)."""

@@ -294,13 +294,14 @@ def _replay(record: DeferredInit, refs: list[_OpRefs], targets: dict[str, torch.
         return isinstance(x, Ref) and x.index in lazy
 
     def remember(op: Any, outputs: list[Any], result: Any) -> None:
+        values = None if result is None else list(leaves(result))
         for position, ref in enumerate(outputs):
             if isinstance(ref, Ref) and ref.index not in env and ref.index not in lazy:
                 refs_of[record.group_of[ref.index]].append(ref.index)
-                if result is None:
+                if values is None:
                     lazy[ref.index] = (op, position)
                 else:
-                    env[ref.index] = list(leaves(result))[position]
+                    env[ref.index] = values[position]
 
     saved_rng = torch.get_rng_state()
     torch.set_rng_state(record.rng_state)
