@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -123,18 +125,49 @@ def torchrun(script: Path | str, *args: str, nproc: int = WORLD_SIZE,
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args]
         return run_process(cmd, timeout=timeout, env=worker_env())
 
+    scratch = {folder: set(folder.iterdir()) for folder in scratch_folders(args)}
     proc = launch()
     if check and proc.returncode != 0 and (crash := native_crash(proc.stdout)):
         # Seen once in about 25 launches of the HuggingFace matrix (glibc aborted a rank:
         # "malloc_consolidate(): unaligned fastbin chunk detected"), not reproduced in 15
         # more, 6 of them under glibc's malloc checking. One retry, reported as a warning;
-        # a second crash, or any failure of the worker's own, fails the test.
+        # a second crash, or any failure of the worker's own, fails the test. The retry
+        # starts from the folders as they were: a save the first launch wrote before the
+        # crash would otherwise be refused as "already holds a checkpoint".
         warnings.warn(f"a rank died of {crash} (a native crash); launching once more:\n"
                       f"{failure_report(proc)[-3000:]}", stacklevel=2)
+        for folder, before in scratch.items():
+            remove_new_entries(folder, before)
         proc = launch()
     if check and proc.returncode != 0:
         raise AssertionError(failure_report(proc))
     return proc
+
+
+def scratch_folders(args: Sequence[str]) -> list[Path]:
+    """The temporary folders a launch was given: each absolute argument that is a folder
+    under the system's temporary directory (not that directory itself), or the folder of
+    one that names a file there (existing or to be written)."""
+    tmp = Path(tempfile.gettempdir()).resolve()
+    folders = set()
+    for arg in args:
+        path = Path(arg)
+        if not path.is_absolute():
+            continue
+        path = path.resolve()
+        folder = path if path.is_dir() else path.parent
+        if folder.is_dir() and tmp in folder.parents:
+            folders.add(folder)
+    return sorted(folders)
+
+
+def remove_new_entries(folder: Path, before: set[Path]) -> None:
+    """Delete what is in ``folder`` now but was not in ``before`` (files and folders)."""
+    for entry in set(folder.iterdir()) - before:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 # torchrun's summary line for a rank killed by a signal the worker did not ask for:

@@ -1,20 +1,27 @@
 """The test launcher (tests/distributed.py): a run past its timeout kills everything it
 started, grandchildren included, and says what it printed; a failed launch's report puts
-the ranks' own tracebacks first; a rank's native crash is launched once more, nothing
-else is."""
+the ranks' own tracebacks first; a rank's native crash is launched once more, from the
+temporary folders as they were before the first launch, nothing else is."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
 import pytest
 
 from tests import distributed
-from tests.distributed import failure_report, run_process, torchrun
+from tests.distributed import (
+    failure_report,
+    remove_new_entries,
+    run_process,
+    scratch_folders,
+    torchrun,
+)
 
 # A parent that starts a grandchild (a second process in the same group, not holding the
 # output pipe, so only a group kill ends it), prints the grandchild's pid, and then both
@@ -65,7 +72,9 @@ def test_the_report_puts_each_ranks_traceback_first():
 
 
 # Under torchrun: rank 1 aborts (as glibc does on a corrupted heap) in the first launch,
-# which rank 0 marks by writing a file; the second launch finds the file and passes.
+# which rank 0 marks by writing a line to a log that was there before the launch; it also
+# makes a folder, as a save does, which must not exist yet. The second launch finds the
+# line and passes, and finds no folder: what the first launch made was removed.
 _WORKER = """
 import os, sys, time
 from pathlib import Path
@@ -73,6 +82,7 @@ log = Path(sys.argv[1])
 if os.environ["RANK"] == "0":
     with log.open("a") as f:
         f.write("launch\\n")
+    (log.parent / "saved").mkdir()
 else:
     time.sleep(1)  # rank 0 has counted this launch
     if len(log.read_text().splitlines()) == 1:
@@ -81,13 +91,33 @@ else:
 
 
 @pytest.mark.distributed
-def test_a_native_crash_in_a_real_launch_is_launched_once_more(tmp_path):
+def test_a_native_crash_in_a_real_launch_is_launched_once_more_from_clean_folders(tmp_path):
     script, log = tmp_path / "worker.py", tmp_path / "launches"
     script.write_text(_WORKER)
+    log.write_text("")
     with pytest.warns(UserWarning, match="SIGABRT") as caught:
         torchrun(script, str(log), timeout=120)
     assert len(log.read_text().splitlines()) == 2
+    assert (tmp_path / "saved").is_dir()
     assert len([w for w in caught if "SIGABRT" in str(w.message)]) == 1
+
+
+def test_scratch_folders_are_temporary_folders_given_or_holding_a_given_file(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "w.safetensors").write_text("")
+    args = [str(tmp_path / "in"), str(tmp_path / "out" / "x.pt"), str(tmp_path / "new.pt"),
+            "relative", str(distributed.ROOT / "tests"), tempfile.gettempdir()]
+    assert scratch_folders(args) == sorted([tmp_path, tmp_path / "in"])
+
+
+def test_remove_new_entries_keeps_what_was_there(tmp_path):
+    (tmp_path / "old").write_text("kept, even when changed")
+    before = set(tmp_path.iterdir())
+    (tmp_path / "old").write_text("changed")
+    (tmp_path / "new-file").write_text("")
+    (tmp_path / "new-dir" / "deep").mkdir(parents=True)
+    remove_new_entries(tmp_path, before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
 
 
 # torchrun's summary for a rank that died of a signal, and for one that raised.
