@@ -69,6 +69,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 WAYS = ("pread", "annot", "annot_mmap", "transformers", "rank0")
 LABELS = {"pread": "floor: pread of the rank's rows", "annot": "annot.from_pretrained fsdp2",
@@ -185,7 +189,7 @@ def worker(way: str, directory: str) -> None:
 PAGE = 4096
 
 
-def _touch_pages(tensor: "torch.Tensor") -> None:
+def _touch_pages(tensor: torch.Tensor) -> None:
     """Read one byte of every 4 KiB page of ``tensor`` (contiguous, as every rank's tensors
     are): a mapped page is read in from the file or page cache, as by any first read,
     without the cost of computing on every element (summing 1.93 GiB of fp32 took 0.21 s
