@@ -15,6 +15,8 @@ holds one), then loads it on N CPU ranks (torchrun, gloo), one launch per way:
 - ``annot_mmap``: the same with ``mmap=True``: each rank maps its own rows of every
   tensor (copy-on-write) instead of reading them;
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(DIR)`` on every rank;
+- ``transformers_fsdp``: the same with ``distributed_config=DistributedConfig(fsdp_size=N)``:
+  transformers shards the model with FSDP2 itself (the same job as annot's rows);
 - ``rank 0 + broadcast``: rank 0 loads with transformers, the other ranks build the model
   on the meta device, all shard it with FSDP2, and torch's ``set_model_state_dict``
   (``broadcast_from_rank0``) scatters rank 0's tensors (the usual recipe).
@@ -30,7 +32,8 @@ tensor the rank holds once in place, as the first optimizer step will, which is 
 memory-mapped weight is copied (page by page, on write). Bytes read: the ``rchar`` count of ``/proc/self/io``
 (every ``read``/``pread``); transformers reads safetensors through a memory map, which
 ``rchar`` does not see, so for its rows the column shows the bytes of the tensors it
-loaded, marked ``*``. Every way imports its modules before the clock starts.
+loaded (with ``fsdp_size``, of the shards it keeps: what it paged in to cut them is not
+counted), marked ``*``. Every way imports its modules before the clock starts.
 
 With ``--save`` each launch first loads the model (not timed), then times writing all of
 it as safetensors into a new folder beside DIR (removed after), one launch per way:
@@ -74,10 +77,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-WAYS = ("pread", "annot", "annot_mmap", "transformers", "rank0")
+WAYS = ("pread", "annot", "annot_mmap", "transformers", "transformers_fsdp", "rank0")
 LABELS = {"pread": "floor: pread of the rank's rows", "annot": "annot.from_pretrained fsdp2",
           "annot_mmap": "annot.from_pretrained fsdp2, mmap=True",
-          "transformers": "transformers, every rank", "rank0": "rank 0 + broadcast (FSDP2)"}
+          "transformers": "transformers, every rank",
+          "transformers_fsdp": "transformers, fsdp_size=N (FSDP2)",
+          "rank0": "rank 0 + broadcast (FSDP2)"}
 SAVE_WAYS = ("write", "gather", "annot", "safetensors", "safetensors_whole", "annot_fsdp1",
              "annot_zero3")
 SAVE_LABELS = {"write": "floor: pwrite + fsync, rank 0", "gather": "FSDP2 full_tensor() only",
@@ -150,6 +155,12 @@ def worker(way: str, directory: str) -> None:
     elif way == "transformers":
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
         loaded_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    elif way == "transformers_fsdp":
+        from transformers import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32,
+            distributed_config=DistributedConfig(fsdp_size=dist.get_world_size()))
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -171,7 +182,7 @@ def worker(way: str, directory: str) -> None:
     # Read every tensor this rank holds once, as the first training step will: a
     # memory-mapped checkpoint is paged in, and counted in RSS, only when touched.
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in model.state_dict().values()]
-    if way == "annot_mmap":  # mapped, not read: rchar does not see it
+    if way in ("annot_mmap", "transformers_fsdp"):  # mapped, not read: rchar does not see it
         loaded_bytes = sum(t.nbytes for t in tensors)
     with torch.no_grad():
         for tensor in tensors:

@@ -7,6 +7,7 @@ model on the meta device fast; nothing here allocates or touches tensor data.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from torch import nn
 
@@ -45,6 +46,9 @@ class ModelIndex:
                     seen.add(id(param))
                     count += param.numel()
             self.direct_params[path] = count
+        # What rules derive from the whole model and several rules ask for (the
+        # ``_no_split_modules`` names: five walks of every module per plan before).
+        self.memo: dict[str, Any] = {}
 
     def __iter__(self) -> Iterator[tuple[str, nn.Module]]:
         return iter(self.modules.items())

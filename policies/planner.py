@@ -172,14 +172,31 @@ def _tied_groups(model: nn.Module) -> list[list[str]]:
 
 def _owner(units: list[Unit], module_path: str) -> str:
     """Primary path of the deepest shard unit holding ``module_path``; ROOT if none."""
-    best, depth = ROOT, -1
+    return _deepest_member(_shard_members(units), module_path)
+
+
+def _shard_members(units: list[Unit]) -> dict[str, str]:
+    """Every module path a shard unit is made of (the root aside) -> that unit's primary
+    path; the first unit listing a module keeps it."""
+    members: dict[str, str] = {}
     for unit in units:
-        if not unit.has(Action.SHARD):
-            continue
-        for member in unit.modules:
-            if is_under(module_path, member) and member != ROOT and member.count(".") > depth:
-                best, depth = unit.path, member.count(".")
-    return best
+        if unit.has(Action.SHARD):
+            for member in unit.modules:
+                if member != ROOT:
+                    members.setdefault(member, unit.path)
+    return members
+
+
+def _deepest_member(members: dict[str, str], module_path: str) -> str:
+    """The unit of the deepest member holding ``module_path``: its nearest listed
+    ancestor (itself included); ROOT if none. One dictionary lookup per level, where
+    trying every unit's members for every parameter grew with units x parameters."""
+    path = module_path
+    while path != ROOT:
+        if path in members:
+            return members[path]
+        path = parent_path(path)
+    return ROOT
 
 
 def _resolve_ties(
@@ -249,11 +266,11 @@ def _ownership(model: nn.Module, units: list[Unit]) -> dict[str, list[tuple[str,
     """For each shard unit (and ROOT), the distinct parameters it holds. Non-shard units
     get the parameters under them that no nested shard unit holds, for display only."""
     owned: dict[str, list[tuple[str, nn.Parameter]]] = defaultdict(list)
-    shard_units = [u for u in units if u.has(Action.SHARD)]
+    members = _shard_members(units)
     other_units = [u for u in units if not u.has(Action.SHARD)]
     for name, param in model.named_parameters():
         module_path = parent_path(name)
-        owner = _owner(shard_units, module_path)
+        owner = _deepest_member(members, module_path)
         owned[owner].append((name, param))
         for unit in other_units:
             nested_shard_unit = owner != ROOT and is_under(owner, unit.path)

@@ -305,9 +305,8 @@ class _KeepInFp32Modules(Rule):
         # Only when they differ from the rest: in an all-fp32 model they are plain modules
         # and a unit of their own would only add communication.
         model = index.model
-        names = declared_names(model, "_keep_in_fp32_modules") + [
-            n for n in declared_names(model, "_keep_in_fp32_modules_strict")
-            if n not in declared_names(model, "_keep_in_fp32_modules")]
+        loose = _declared(index, "_keep_in_fp32_modules")
+        names = loose + [n for n in _declared(index, "_keep_in_fp32_modules_strict") if n not in loose]
         floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
         if not names or floating <= {torch.float32}:
             return {}
@@ -326,9 +325,17 @@ def keep_in_fp32_modules() -> Rule:
     return _KeepInFp32Modules()
 
 
+def _declared(index: ModelIndex, attribute: str) -> list[str]:
+    """`declared_names` of the index's model, walked once per plan."""
+    key = f"declared_names:{attribute}"
+    if key not in index.memo:
+        index.memo[key] = declared_names(index.model, attribute)
+    return index.memo[key]
+
+
 def _collect_no_split(index: ModelIndex) -> list[str]:
     """Union of every ``_no_split_modules`` in the model, the root's and its children's."""
-    return declared_names(index.model, "_no_split_modules")
+    return _declared(index, "_no_split_modules")
 
 
 class _NoSplitModules(Rule):

@@ -147,8 +147,10 @@ def torchrun(script: Path | str, *args: str, nproc: int = WORLD_SIZE,
 def scratch_folders(args: Sequence[str]) -> list[Path]:
     """The temporary folders a launch was given: each absolute argument that is a folder
     under the system's temporary directory (not that directory itself), or the folder of
-    one that names a file there (existing or to be written)."""
+    one that names a file there (existing or to be written). Never a folder of this
+    repository, wherever it is checked out (a clone under /tmp too)."""
     tmp = Path(tempfile.gettempdir()).resolve()
+    root = ROOT.resolve()
     folders = set()
     for arg in args:
         path = Path(arg)
@@ -156,7 +158,7 @@ def scratch_folders(args: Sequence[str]) -> list[Path]:
             continue
         path = path.resolve()
         folder = path if path.is_dir() else path.parent
-        if folder.is_dir() and tmp in folder.parents:
+        if folder.is_dir() and tmp in folder.parents and not (folder == root or root in folder.parents):
             folders.add(folder)
     return sorted(folders)
 

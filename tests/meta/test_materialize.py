@@ -172,6 +172,23 @@ def test_submodules_built_in_the_block_do_not_get_their_own_record():
     assert not extra.weight.is_meta
 
 
+def test_a_module_built_after_its_parent_and_put_in_it_is_not_a_root_of_its_own():
+    def make() -> nn.Module:
+        parent = nn.Sequential(nn.Linear(3, 3))
+        parent.add_module("late", nn.Linear(3, 3))  # built after the Sequential finished
+        return parent
+
+    torch.manual_seed(0)
+    eager = make()
+    torch.manual_seed(0)
+    with annot.meta_init():
+        model = make()
+    assert deferred_init_of(model) is not None and deferred_init_of(model.late) is None
+    annot.materialize(model)
+    for (name, got), want in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+
+
 def test_meta_init_restores_module_construction():
     with annot.meta_init():
         pass
