@@ -14,6 +14,9 @@ holds one), then loads it on N CPU ranks (torchrun, gloo), one launch per way:
   reads only its own rows of every tensor;
 - ``annot_mmap``: the same with ``mmap=True``: each rank maps its own rows of every
   tensor (copy-on-write) instead of reading them;
+- ``annot_fsdp1``, ``annot_zero3``: ``annot.from_pretrained(DIR, "fsdp1")`` and
+  ``(DIR, "deepspeed")`` (ZeRO-3, an SGD optimizer): a rank holds one unit's full tensors
+  while the engine shards it, then reads the rows of its flat shard;
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(DIR)`` on every rank;
 - ``transformers_fsdp``: the same with ``distributed_config=DistributedConfig(fsdp_size=N)``:
   transformers shards the model with FSDP2 itself (the same job as annot's rows);
@@ -77,9 +80,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-WAYS = ("pread", "annot", "annot_mmap", "transformers", "transformers_fsdp", "rank0")
+WAYS = ("pread", "annot", "annot_mmap", "annot_fsdp1", "annot_zero3", "transformers",
+        "transformers_fsdp", "rank0")
 LABELS = {"pread": "floor: pread of the rank's rows", "annot": "annot.from_pretrained fsdp2",
           "annot_mmap": "annot.from_pretrained fsdp2, mmap=True",
+          "annot_fsdp1": "annot.from_pretrained fsdp1",
+          "annot_zero3": "annot.from_pretrained ZeRO-3",
           "transformers": "transformers, every rank",
           "transformers_fsdp": "transformers, fsdp_size=N (FSDP2)",
           "rank0": "rank 0 + broadcast (FSDP2)"}
@@ -152,6 +158,11 @@ def worker(way: str, directory: str) -> None:
         return
     if way in ("annot", "annot_mmap"):
         model = annot.from_pretrained(directory, "fsdp2", mmap=way == "annot_mmap")
+    elif way == "annot_fsdp1":
+        model = annot.from_pretrained(directory, "fsdp1")
+    elif way == "annot_zero3":  # DeepSpeed builds its engine with an optimizer (SGD: no state)
+        model = annot.from_pretrained(directory, "deepspeed",
+                                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1)).model
     elif way == "transformers":
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
         loaded_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -181,7 +192,7 @@ def worker(way: str, directory: str) -> None:
         del full
     # Read every tensor this rank holds once, as the first training step will: a
     # memory-mapped checkpoint is paged in, and counted in RSS, only when touched.
-    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in model.state_dict().values()]
+    tensors = _local_tensors(model)
     if way in ("annot_mmap", "transformers_fsdp"):  # mapped, not read: rchar does not see it
         loaded_bytes = sum(t.nbytes for t in tensors)
     with torch.no_grad():
@@ -198,6 +209,18 @@ def worker(way: str, directory: str) -> None:
 
 
 PAGE = 4096
+
+
+def _local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What this rank holds, each tensor once, whatever shards it: a DTensor's local part
+    (FSDP2), FSDP1's views into its flat shard (``use_orig_params``), ZeRO-3's partition
+    (``ds_tensor``), a plain tensor itself."""
+    out: dict[int, torch.Tensor] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor = getattr(tensor, "ds_tensor", tensor)
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        out.setdefault(id(tensor), tensor)
+    return list(out.values())
 
 
 def _touch_pages(tensor: torch.Tensor) -> None:
