@@ -170,11 +170,6 @@ def _tied_groups(model: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
-def _owner(units: list[Unit], module_path: str) -> str:
-    """Primary path of the deepest shard unit holding ``module_path``; ROOT if none."""
-    return _deepest_member(_shard_members(units), module_path)
-
-
 def _shard_members(units: list[Unit]) -> dict[str, str]:
     """Every module path a shard unit is made of (the root aside) -> that unit's primary
     path; the first unit listing a module keeps it."""
@@ -188,9 +183,10 @@ def _shard_members(units: list[Unit]) -> dict[str, str]:
 
 
 def _deepest_member(members: dict[str, str], module_path: str) -> str:
-    """The unit of the deepest member holding ``module_path``: its nearest listed
-    ancestor (itself included); ROOT if none. One dictionary lookup per level, where
-    trying every unit's members for every parameter grew with units x parameters."""
+    """Primary path of the deepest shard unit holding ``module_path`` (the unit of its
+    nearest ancestor in ``members``, itself included); ROOT if none. One dictionary lookup
+    per level, where trying every unit's members for every parameter grew with units x
+    parameters."""
     path = module_path
     while path != ROOT:
         if path in members:
@@ -204,7 +200,8 @@ def _resolve_ties(
 ) -> list[Unit]:
     errors = []
     for names in tied:
-        owners = {n: _owner(units, parent_path(n)) for n in names}
+        members = _shard_members(units)  # again for each group: grouping changes the units
+        owners = {n: _deepest_member(members, parent_path(n)) for n in names}
         if len(set(owners.values())) == 1:
             continue
         if not group:

@@ -158,7 +158,7 @@ def scratch_folders(args: Sequence[str]) -> list[Path]:
             continue
         path = path.resolve()
         folder = path if path.is_dir() else path.parent
-        if folder.is_dir() and tmp in folder.parents and not (folder == root or root in folder.parents):
+        if folder.is_dir() and tmp in folder.parents and not folder.is_relative_to(root):
             folders.add(folder)
     return sorted(folders)
 

@@ -58,8 +58,9 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     file; what depends on them is still computed from their initial values, as eager
     construction does). Random numbers the skipped initialization would have drawn are
     not drawn, so a tensor initialized after it gets values from its initialization but
-    not eager's exact ones (docs/design.md, pitfall 30). ``layout`` is where an engine that shards flattened parameters
-    keeps them on this rank (`annot.materialize` asks the engines; DTensors need none).
+    not eager's exact ones (docs/design.md, pitfall 30). ``layout`` is where an engine
+    that shards flattened parameters keeps them on this rank (`annot.materialize` asks
+    the engines; DTensors need none).
     """
     record = deferred_init_of(layout.bare_model(model))
     if record is None:

@@ -120,6 +120,14 @@ BUFFER_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
 LAYER_COUNT = {name: 4 if name == "t5" else 2 for name in ARCHS}
 
 
+def buffer_variant(name: str) -> tuple[type, Any]:
+    """The model class and config of ``BUFFER_VARIANTS[name]``."""
+    import transformers
+
+    config_class, model_class, options = BUFFER_VARIANTS[name]
+    return getattr(transformers, model_class), getattr(transformers, config_class)(**options)
+
+
 def batches(name: str) -> list[dict[str, torch.Tensor]]:
     """One batch per step, the union of all ranks' rows (rank r gets rows r*R:(r+1)*R)."""
     kind = ARCHS[name].kind

@@ -12,9 +12,9 @@ import torch
 import annot
 from tests.huggingface.hf_archs import (
     ARCHS,
-    BUFFER_VARIANTS,
     PRETRAINED_DISTRIBUTED,
     TOLERANCE,
+    buffer_variant,
     planted_sentinel,
     probe_inputs,
 )
@@ -137,12 +137,9 @@ def test_rescaled_rotary_variants_load_as_transformers(tmp_path, name, on_meta_d
     """Llama 3's rotary rescaling is computed on the meta device; Phi-3's long-rope
     factors are a literal there, so that build is refused and made again on fake tensors.
     Either way the logits are transformers' own from the same files."""
-    import transformers
-
-    config_class, model_class, options = BUFFER_VARIANTS[name]
-    cls = getattr(transformers, model_class)
+    cls, config = buffer_variant(name)
     torch.manual_seed(0)
-    cls(getattr(transformers, config_class)(**options)).save_pretrained(tmp_path)
+    cls(config).save_pretrained(tmp_path)
     assert _built_on_meta_device(tmp_path) is on_meta_device
     tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

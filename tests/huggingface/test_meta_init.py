@@ -20,7 +20,7 @@ import torch
 import annot
 from annot.meta.deferred import DeferredInitError, deferred_init_of, meta_device_init
 from annot.meta.materialization import materialize
-from tests.huggingface.hf_archs import ARCHS, BUFFER_VARIANTS, SEED
+from tests.huggingface.hf_archs import ARCHS, BUFFER_VARIANTS, SEED, buffer_variant
 
 
 def _everything(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -58,12 +58,9 @@ REFUSED_ON_THE_META_DEVICE = {"gemma", "gemma3", "phi3_longrope"}
 
 
 def _model_and_build(name: str) -> tuple[type, Any]:
-    import transformers
-
     if name in ARCHS:
         return ARCHS[name].model_cls(), ARCHS[name].config()
-    config_class, model_class, options = BUFFER_VARIANTS[name]
-    return getattr(transformers, model_class), getattr(transformers, config_class)(**options)
+    return buffer_variant(name)
 
 
 @pytest.mark.parametrize("name", [*ARCHS, *BUFFER_VARIANTS])
