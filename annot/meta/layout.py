@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-__all__ = ["Block", "FlatPart", "ShardLayout", "WHOLE", "dtensor_block", "local"]
+__all__ = ["Block", "FlatPart", "ShardLayout", "WHOLE", "dtensor_block", "local", "placement_block"]
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -51,26 +51,63 @@ def dtensor_block(tensor: torch.Tensor) -> Block | None:
     """
     if not hasattr(tensor, "device_mesh"):
         return None
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.distributed.tensor import DTensor
 
     assert isinstance(tensor, DTensor)  # what has a device_mesh; the import stays lazy
     mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ValueError("this rank is not in the tensor's device mesh")
-    full = tuple(tensor.shape)
+    return placement_block(tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape),
+                           tuple(coordinate))
+
+
+def placement_block(full: tuple[int, ...], placements: tuple[object, ...],
+                    mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]) -> Block:
+    """`dtensor_block` of a tensor of shape ``full`` with ``placements`` on a mesh of
+    ``mesh_shape``, on the rank at ``coordinate`` in it."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if all(type(p) is Shard or isinstance(p, Replicate) for p in placements):
+        return _even_shards_block(full, placements, mesh_shape, coordinate)
+    return _indexed_block(full, placements, mesh_shape, coordinate)
+
+
+def _even_shards_block(full: tuple[int, ...], placements: tuple[object, ...],
+                       mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]) -> Block:
+    """Plain shards (``torch.chunk`` of what the previous mesh dimensions left) and
+    replicas: a block by integer arithmetic. Working out index tensors for this, as the
+    general case must, was a fifth of mapping a 1.1B model's shards (profiled)."""
+    from torch.distributed.tensor import Shard
+
+    shape, start = list(full), [0] * len(full)
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            size, offset = Shard.local_shard_size_and_offset(
+                shape[placement.dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
+            shape[placement.dim] = size
+            start[placement.dim] += offset
+    return Block(tuple(s if n else 0 for s, n in zip(start, shape, strict=True)), tuple(shape))
+
+
+def _indexed_block(full: tuple[int, ...], placements: tuple[object, ...],
+                   mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]) -> Block:
+    """Any shard placement (``_StridedShard`` too): the full-tensor index of every row
+    kept, checked to be one run."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     shape = list(full)
     offsets: dict[int, torch.Tensor] = {}
-    for mesh_dim, placement in enumerate(tensor.placements):
+    for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Replicate):
             continue
         if not isinstance(placement, (Shard, _StridedShard)):
             raise ValueError(f"placement {placement} keeps no block of the full tensor")
         dim = placement.dim
         size, index = _get_shard_size_and_offsets(
-            shape[dim], mesh.size(mesh_dim), coordinate[mesh_dim], placement, offsets.get(dim),
+            shape[dim], mesh_shape[mesh_dim], coordinate[mesh_dim], placement, offsets.get(dim),
             full[dim], False)
         assert index is not None  # offsets are asked for (skip_offset=False)
         shape[dim], offsets[dim] = size, index
@@ -78,7 +115,7 @@ def dtensor_block(tensor: torch.Tensor) -> Block | None:
     for dim, index in offsets.items():
         first = int(index[0]) if shape[dim] else 0
         if shape[dim] and not torch.equal(index, torch.arange(first, first + shape[dim])):
-            raise ValueError(f"placements {tensor.placements} give this rank rows {index.tolist()} "
+            raise ValueError(f"placements {placements} give this rank rows {index.tolist()} "
                              f"of dimension {dim}: not one block")
         start[dim] = first
     return Block(tuple(start), tuple(shape))
