@@ -1,6 +1,6 @@
 """Per-rank bytes, time and peak memory loading (or saving) a >= 1B-parameter HuggingFace checkpoint.
 
-    python examples/bench_from_pretrained.py [--dir DIR] [--ranks 2] [--layers 22] [--cold]
+    python examples/bench_from_pretrained.py [--dir DIR] [--ranks 2] [--layers 22] [--cold] [--repeat N]
     python examples/bench_from_pretrained.py --save [--dir DIR] [--ranks 2] [--ways ...]
 
 Saves a Llama of about 1.1B parameters (TinyLlama's shape) with random fp32 weights via
@@ -26,7 +26,9 @@ holds one), then loads it on N CPU ranks (torchrun, gloo), one launch per way:
 
 With ``--cold`` the files are dropped from the page cache before every launch
 (``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file, not a system-wide drop); otherwise
-one untimed read warms the cache first. After loading, each rank reads one byte of every
+one untimed read warms the cache first. ``--repeat N`` runs N rounds, each way once per
+round, and shows each way's median time and its fastest and slowest launch (the
+machine's timings drift between launches). After loading, each rank reads one byte of every
 page (4 KiB) of every tensor it holds, as a first training step reads them all, so
 memory-mapped weights are paged in and counted. Prints one row per rank and way: bytes
 read, peak RSS, peak RSS above the process's footprint before loading, and time (loading
@@ -36,7 +38,10 @@ memory-mapped weight is copied (page by page, on write). Bytes read: the ``rchar
 (every ``read``/``pread``); transformers reads safetensors through a memory map, which
 ``rchar`` does not see, so for its rows the column shows the bytes of the tensors it
 loaded (with ``fsdp_size``, of the shards it keeps: what it paged in to cut them is not
-counted), marked ``*``. Every way imports its modules before the clock starts.
+counted), marked ``*``. Every way imports its modules before the clock starts. The
+workers inherit the environment: ``THP_MEM_ALLOC_ENABLE=1`` (torch's switch for asking
+Linux for transparent huge pages for every CPU allocation of 2 MiB or more) applies to
+every way, and the first line says whether it was set.
 
 With ``--save`` each launch first loads the model (not timed), then times writing all of
 it as safetensors into a new folder beside DIR (removed after), one launch per way:
@@ -429,30 +434,52 @@ def print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
 
 
 def load_table(args: argparse.Namespace, directory: Path, ways: list[str]) -> None:
-    rows = []
-    floor: dict[int, float] = {}
+    """One launch per way, ``--repeat`` rounds (every way once per round, so a slow spell
+    of the machine falls on all of them); with more than one round each row shows the
+    median time and, beside it, the fastest and slowest launch."""
+    runs: dict[tuple[str, int], list[dict]] = {}
     files = sorted(directory.glob("*.safetensors"))
     if not args.cold:
         for file in files:  # warm: every way finds the files in the page cache
             with open(file, "rb") as f:
                 while f.read(2**26):
                     pass
-    for way in ways:
-        if args.cold:
-            drop_from_page_cache(files)
-        for r in launch(way, directory, args.ranks, args.timeout):
-            nbytes = r["read"] if r["loaded_bytes"] is None else r["loaded_bytes"]
-            read = gib(nbytes) if r["loaded_bytes"] is None else f"{gib(nbytes)}*"
-            floor.setdefault(r["rank"], r["seconds"])
-            rows.append((LABELS[way], str(r["rank"]), read, gib(r["peak"]), gib(r["above"]),
-                         f"{r['seconds']:.2f} s", f"{nbytes / 2**30 / r['seconds']:.2f}",
-                         f"{r['seconds'] / floor[r['rank']]:.2f}",
-                         "-" if r["first_write"] is None else f"{r['first_write']:.2f} s"))
-    print_table(("way", "rank", "bytes read", "peak RSS", "above start", "time", "GiB/s", "x floor",
-                 "first write"), rows)
+    for _ in range(args.repeat):
+        for way in ways:
+            if args.cold:
+                drop_from_page_cache(files)
+            for r in launch(way, directory, args.ranks, args.timeout):
+                runs.setdefault((way, r["rank"]), []).append(r)
+    floor = {rank: _median([r["seconds"] for r in rs]) for (way, rank), rs in runs.items()
+             if way == ways[0]}
+    rows = []
+    for (way, rank), rs in runs.items():
+        r = rs[0]
+        nbytes = r["read"] if r["loaded_bytes"] is None else r["loaded_bytes"]
+        read = gib(nbytes) if r["loaded_bytes"] is None else f"{gib(nbytes)}*"
+        seconds = _median([r["seconds"] for r in rs])
+        spread = f"{min(r['seconds'] for r in rs):.2f}-{max(r['seconds'] for r in rs):.2f}"
+        writes = [r["first_write"] for r in rs if r["first_write"] is not None]
+        rows.append((LABELS[way], str(rank), read, gib(max(r["peak"] for r in rs)),
+                     gib(max(r["above"] for r in rs)), f"{seconds:.2f} s",
+                     *([spread] if args.repeat > 1 else []),
+                     f"{nbytes / 2**30 / seconds:.2f}", f"{seconds / floor[rank]:.2f}",
+                     f"{_median(writes):.2f} s" if writes else "-"))
+    print_table(("way", "rank", "bytes read", "peak RSS", "above start",
+                 "time" if args.repeat == 1 else f"median of {args.repeat}",
+                 *(["fastest-slowest"] if args.repeat > 1 else []),
+                 "GiB/s", "x floor", "first write"), rows)
     print("* memory-mapped reads: the bytes of the tensors loaded, not an rchar count")
     print("first write: every tensor the rank holds written once, after the timed load "
           "(a mapped page is copied then)")
+    if args.repeat > 1:
+        print("peak RSS and above start: the largest of the launches")
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def save_table(args: argparse.Namespace, directory: Path, ways: list[str], file_bytes: int) -> None:
@@ -485,6 +512,8 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="drop the files from the page cache before every launch")
     parser.add_argument("--save", action="store_true", help="time saving instead of loading")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of loads (every way once per round); the table shows medians")
     parser.add_argument("--ways", help="comma-separated subset of the ways (the floor first)")
     parser.add_argument("--worker", choices=sorted({*WAYS, *SAVE_WAYS}), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -493,6 +522,8 @@ def main() -> None:
         if args.save:
             return save_worker(args.worker, str(args.dir), args.out)
         return worker(args.worker, str(args.dir))
+    if args.repeat < 1 or (args.save and args.repeat != 1):
+        parser.error("--repeat takes a number >= 1, and applies to loads only")
     known = SAVE_WAYS if args.save else WAYS
     ways = args.ways.split(",") if args.ways else list(known)
     if unknown := [w for w in ways if w not in known]:
@@ -505,7 +536,8 @@ def main() -> None:
         file_bytes = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
         print(f"Llama, {params / 1e9:.2f}B parameters, fp32 safetensors {gib(file_bytes)} "
               f"in {directory}; {args.ranks} CPU ranks (gloo); ideal shard "
-              f"{gib(file_bytes / args.ranks)}")
+              f"{gib(file_bytes / args.ranks)}; torch's huge-page allocation "
+              f"(THP_MEM_ALLOC_ENABLE) {'on' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else 'off'}")
         if args.save:
             save_table(args, directory, ways, file_bytes)
         else:
