@@ -5,11 +5,13 @@ in one process (engine=None) for every architecture, and sharded on 2 ranks with
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
 
 import annot
+from annot.huggingface.pretrained import build_pretrained
 from tests.huggingface.hf_archs import (
     ARCHS,
     PRETRAINED_DISTRIBUTED,
@@ -103,7 +105,6 @@ def test_missing_weights_are_initialized_and_logged_or_refused_when_strict(
 
 
 def _built_on_meta_device(directory, **options) -> bool:
-    from annot.huggingface.pretrained import build_pretrained
     from annot.meta.deferred import deferred_init_of
 
     record = deferred_init_of(build_pretrained(directory, **options))
@@ -178,12 +179,12 @@ def test_mmap_maps_only_what_it_can_and_says_what_it_cannot(saved_models):
     storage, a distributed checkpoint, another device and flattening engines are
     refused with the reason, before anything changes."""
     directory = saved_models["llama"]
-    model = annot.huggingface.pretrained.build_pretrained(directory)
+    model = build_pretrained(directory)
     report = annot.load(model, directory, mmap=True)
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert (report.bytes_mapped, report.bytes_read) == (size, 0)
 
-    half = annot.huggingface.pretrained.build_pretrained(directory, torch_dtype=torch.bfloat16)
+    half = build_pretrained(directory, torch_dtype=torch.bfloat16)
     report = annot.load(half, directory, mmap=True)
     assert (report.bytes_mapped, report.bytes_read) == (0, size)  # the fp32 bytes, converted
     assert torch.equal(half.lm_head.weight, model.lm_head.weight.bfloat16())
@@ -191,12 +192,18 @@ def test_mmap_maps_only_what_it_can_and_says_what_it_cannot(saved_models):
     with pytest.raises(annot.CheckpointError, match="already has storage"):
         annot.load(model, directory, mmap=True)
     with pytest.raises(annot.CheckpointError, match="distributed checkpoint"):
-        annot.load(annot.huggingface.pretrained.build_pretrained(directory), directory,
+        annot.load(build_pretrained(directory), directory,
                    mmap=True, dcp=True)
     for engine, device, why in (("fsdp1", "cpu", "flattened"), ("deepspeed", "cpu", "flattened"),
                                 ("fsdp2", "cuda", "copied anyway")):
         with pytest.raises(annot.CheckpointError, match=why):
             annot.from_pretrained(directory, engine, mmap=True, device=device)
+    # A model an engine sharded over an accelerator's mesh (there is none here: one
+    # parameter carries such a mesh, as a DTensor would) is refused too.
+    on_accelerator = build_pretrained(directory)
+    next(on_accelerator.parameters()).device_mesh = types.SimpleNamespace(device_type="xpu")
+    with pytest.raises(annot.CheckpointError, match="device mesh is on xpu"):
+        annot.load(on_accelerator, directory, mmap=True)
 
 
 def test_engine_none_takes_no_wrap_options(saved_models):
