@@ -69,11 +69,11 @@ def placement_block(full: tuple[int, ...], placements: tuple[object, ...],
     from torch.distributed.tensor import Replicate, Shard
 
     if all(type(p) is Shard or isinstance(p, Replicate) for p in placements):
-        return _even_shards_block(full, placements, mesh_shape, coordinate)
+        return _plain_shards_block(full, placements, mesh_shape, coordinate)
     return _indexed_block(full, placements, mesh_shape, coordinate)
 
 
-def _even_shards_block(full: tuple[int, ...], placements: tuple[object, ...],
+def _plain_shards_block(full: tuple[int, ...], placements: tuple[object, ...],
                        mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]) -> Block:
     """Plain shards (``torch.chunk`` of what the previous mesh dimensions left) and
     replicas: a block by integer arithmetic. Working out index tensors for this, as the

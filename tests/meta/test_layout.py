@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from annot.meta.layout import _even_shards_block, _indexed_block, placement_block
+from annot.meta.layout import _indexed_block, _plain_shards_block, placement_block
 
 MESHES = [(2,), (3,), (4,), (2, 2), (2, 3)]
 SHAPES = [(7, 5), (8, 6), (1, 3), (2, 9)]  # uneven, even, fewer rows than ranks
@@ -51,7 +51,7 @@ def test_the_block_holds_what_torch_chunking_gives_the_rank(mesh_shape):
             assert torch.equal(full[block.slices()], expected), case
         # The integer path (plain shards) and the index path agree on every case.
         assert block == _indexed_block(shape, placements, mesh_shape, coordinate), case
-        assert block == _even_shards_block(shape, placements, mesh_shape, coordinate), case
+        assert block == _plain_shards_block(shape, placements, mesh_shape, coordinate), case
 
 
 def test_a_placement_that_is_neither_shard_nor_replica_is_refused():
