@@ -74,6 +74,7 @@ import os
 import resource
 import shutil
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -450,21 +451,21 @@ def load_table(args: argparse.Namespace, directory: Path, ways: list[str]) -> No
                 drop_from_page_cache(files)
             for r in launch(way, directory, args.ranks, args.timeout):
                 runs.setdefault((way, r["rank"]), []).append(r)
-    floor = {rank: _median([r["seconds"] for r in rs]) for (way, rank), rs in runs.items()
+    floor = {rank: statistics.median([r["seconds"] for r in rs]) for (way, rank), rs in runs.items()
              if way == ways[0]}
     rows = []
     for (way, rank), rs in runs.items():
         r = rs[0]
         nbytes = r["read"] if r["loaded_bytes"] is None else r["loaded_bytes"]
         read = gib(nbytes) if r["loaded_bytes"] is None else f"{gib(nbytes)}*"
-        seconds = _median([r["seconds"] for r in rs])
+        seconds = statistics.median([r["seconds"] for r in rs])
         spread = f"{min(r['seconds'] for r in rs):.2f}-{max(r['seconds'] for r in rs):.2f}"
         writes = [r["first_write"] for r in rs if r["first_write"] is not None]
         rows.append((LABELS[way], str(rank), read, gib(max(r["peak"] for r in rs)),
                      gib(max(r["above"] for r in rs)), f"{seconds:.2f} s",
                      *([spread] if args.repeat > 1 else []),
                      f"{nbytes / 2**30 / seconds:.2f}", f"{seconds / floor[rank]:.2f}",
-                     f"{_median(writes):.2f} s" if writes else "-"))
+                     f"{statistics.median(writes):.2f} s" if writes else "-"))
     print_table(("way", "rank", "bytes read", "peak RSS", "above start",
                  "time" if args.repeat == 1 else f"median of {args.repeat}",
                  *(["fastest-slowest"] if args.repeat > 1 else []),
@@ -474,12 +475,6 @@ def load_table(args: argparse.Namespace, directory: Path, ways: list[str]) -> No
           "(a mapped page is copied then)")
     if args.repeat > 1:
         print("peak RSS and above start: the largest of the launches")
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def save_table(args: argparse.Namespace, directory: Path, ways: list[str], file_bytes: int) -> None:
