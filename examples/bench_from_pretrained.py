@@ -10,6 +10,12 @@ holds one), then loads it on N CPU ranks (torchrun, gloo), one launch per way:
 - ``pread`` (the floor): each rank reads the byte ranges of the rows FSDP2 gives it (dim-0
   chunks, as ``torch.chunk``) with ``os.preadv`` into one preallocated, reused buffer:
   the same bytes as annot reads, with nothing else done;
+- ``bound``: the least any FSDP2-sharded mapped load does: the model built on the meta
+  device (nothing recorded), ``fully_shard`` on every layer and the root, then each
+  rank's rows of every tensor mapped from the file (``torch.from_file``, private) and put in
+  as DTensors through ``load_state_dict(assign=True)``; no checks, no Plan, the rotary
+  buffer left on the meta device. Not a loader (nothing validated): the time a sharded
+  load cannot go below here, to set against transformers' whole-model load;
 - ``annot``: ``annot.from_pretrained(DIR, "fsdp2")``: meta model, FSDP2 shards, each rank
   reads only its own rows of every tensor;
 - ``annot_mmap``: the same with ``mmap=True``: each rank maps its own rows of every
@@ -86,9 +92,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-WAYS = ("pread", "annot", "annot_mmap", "annot_fsdp1", "annot_zero3", "transformers",
+WAYS = ("pread", "bound", "annot", "annot_mmap", "annot_fsdp1", "annot_zero3", "transformers",
         "transformers_fsdp", "rank0")
-LABELS = {"pread": "floor: pread of the rank's rows", "annot": "annot.from_pretrained fsdp2",
+LABELS = {"pread": "floor: pread of the rank's rows",
+          "bound": "least sharded map: meta, fully_shard, map",
+          "annot": "annot.from_pretrained fsdp2",
           "annot_mmap": "annot.from_pretrained fsdp2, mmap=True",
           "annot_fsdp1": "annot.from_pretrained fsdp1",
           "annot_zero3": "annot.from_pretrained ZeRO-3",
@@ -162,7 +170,15 @@ def worker(way: str, directory: str) -> None:
         _pread_rows(Path(directory), rank, dist.get_world_size())
         _finish(rank, base_rss, base_read, start, None)
         return
-    if way in ("annot", "annot_mmap"):
+    if way == "bound":
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory),
+                                                     dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        _map_own_rows(model, Path(directory))
+    elif way in ("annot", "annot_mmap"):
         model = annot.from_pretrained(directory, "fsdp2", mmap=way == "annot_mmap")
     elif way == "annot_fsdp1":
         model = annot.from_pretrained(directory, "fsdp1")
@@ -198,8 +214,8 @@ def worker(way: str, directory: str) -> None:
         del full
     # Read every tensor this rank holds once, as the first training step will: a
     # memory-mapped checkpoint is paged in, and counted in RSS, only when touched.
-    tensors = _local_tensors(model)
-    if way in ("annot_mmap", "transformers_fsdp"):  # mapped, not read: rchar does not see it
+    tensors = [t for t in _local_tensors(model) if not t.is_meta]
+    if way in ("bound", "annot_mmap", "transformers_fsdp"):  # mapped, not read: rchar does not see it
         loaded_bytes = sum(t.nbytes for t in tensors)
     with torch.no_grad():
         for tensor in tensors:
@@ -215,6 +231,32 @@ def worker(way: str, directory: str) -> None:
 
 
 PAGE = 4096
+
+
+def _map_own_rows(model: torch.nn.Module, directory: Path) -> None:
+    """Put this rank's rows of every checkpoint tensor, mapped copy-on-write from the file,
+    into the FSDP2-sharded meta ``model`` (the ``bound`` way: dim-0 chunks as FSDP2 cuts
+    them; nothing checked)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    state = {}
+    for file, length, header in _headers(directory):
+        data = torch.from_file(str(file), shared=False, size=file.stat().st_size, dtype=torch.uint8)
+        for name, entry in header.items():
+            target = params[name]
+            local = target.to_local()
+            begin, end = entry["data_offsets"]
+            rows = entry["shape"][0]
+            row_bytes = (end - begin) // rows
+            first = min(target.device_mesh.get_local_rank() * -(-rows // target.device_mesh.size()), rows)
+            start = 8 + length + begin + first * row_bytes
+            part = data[start:start + local.numel() * 4].view(torch.float32).view(local.shape)
+            state[name] = torch.nn.Parameter(DTensor.from_local(
+                part, target.device_mesh, target.placements, run_check=False,
+                shape=target.shape, stride=target.stride()))
+    model.load_state_dict(state, strict=False, assign=True)
 
 
 def _local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

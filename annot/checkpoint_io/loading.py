@@ -438,8 +438,10 @@ def _like(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` (this rank's part) as the same kind of tensor as ``target``: a DTensor
     on its mesh and placements, a Parameter with its ``requires_grad``."""
     if isinstance(target, DTensor):
-        value = DTensor.from_local(value, target.device_mesh, target.placements, run_check=False,
-                                   shape=target.shape, stride=target.stride())
+        # The target's own spec (mesh, placements, global shape, stride, dtype), as FSDP2
+        # builds its shards: `DTensor.from_local` runs an autograd function a load needs
+        # no graph from, 4x the time (0.020 against 0.0055 s for 201 tensors, measured).
+        value = DTensor(value, target._spec, requires_grad=False)
     if isinstance(target, nn.Parameter):
         value = nn.Parameter(value, requires_grad=target.requires_grad)
     return value

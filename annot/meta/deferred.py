@@ -133,6 +133,8 @@ class _Recorder(TorchDispatchMode):
         self.on_meta_device = on_meta_device
         self.ops: list[Op] = []
         self.index: dict[int, int] = {}  # id(tensor) -> ref index
+        self.refs: list[Ref] = []  # by index: one object each, made once
+        self.func: Any = None  # the operation being recorded (named in a refusal)
         self.alive: list[torch.Tensor] = []  # keeps ids and storages unique while recording
         self.constants: dict[int, torch.Tensor] = {}
         self.group_of: dict[int, int] = {}
@@ -151,59 +153,49 @@ class _Recorder(TorchDispatchMode):
 
     def ref(self, t: torch.Tensor) -> Ref:
         i = self.index.get(id(t))
-        if i is None and self.on_meta_device:
-            i = self._same_view(t)
-        if i is None:
-            i = len(self.alive)
-            self.index[id(t)] = i
-            self.alive.append(t)
-            key = StorageWeakRef(t.untyped_storage()).cdata
-            if self.on_meta_device:
-                self.views[self._view_key(t, key)] = i
-            self.group_of[i] = self.storage_group.setdefault(key, len(self.storage_group))
-            whole = (t.is_contiguous() and t.storage_offset() == 0
-                     and t.numel() * t.element_size() == t.untyped_storage().nbytes())
-            self.layout[i] = TensorLayout(tuple(t.shape), tuple(t.stride()), t.dtype, whole)
-            # A real tensor from outside, or a fake one standing for a literal
-            # (`torch.tensor(5.0)` under FakeTensorMode keeps its value in `.constant`
-            # and reaches the tape only through `lift_fresh`): a constant.
-            # A meta tensor holds no value: only ever a tensor the recording made.
-            value = (getattr(t, "constant", None) if isinstance(t, FakeTensor)
-                     else None if t.is_meta else t)
-            if value is not None:
-                with _disable_current_modes():  # a real copy, not a fake one
-                    self.constants[i] = value.detach().clone()
-                self.written.add(self.group_of[i])
-        return Ref(i)
-
-    @staticmethod
-    def _view_key(t: torch.Tensor, storage: int) -> tuple[Any, ...]:
-        return (storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-    def _same_view(self, t: torch.Tensor) -> int | None:
-        """On the meta device ``nn.Parameter(t)`` is a new tensor object over ``t``'s
-        storage made without a dispatched operation (fake tensors dispatch a ``detach``):
-        the same view of the same storage is the same recorded tensor."""
-        i = self.views.get(self._view_key(t, StorageWeakRef(t.untyped_storage()).cdata))
         if i is not None:
-            self.index[id(t)] = i
-            self.alive.append(t)
-        return i
+            return self.refs[i]
+        key = StorageWeakRef(t.untyped_storage()).cdata
+        if self.on_meta_device:
+            # On the meta device ``nn.Parameter(t)`` is a new tensor object over ``t``'s
+            # storage made without a dispatched operation (fake tensors dispatch a
+            # ``detach``): the same view of the same storage is the same recorded tensor.
+            view = (key, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            i = self.views.get(view)
+            if i is not None:
+                self.index[id(t)] = i
+                self.alive.append(t)
+                return self.refs[i]
+        i = len(self.refs)
+        self.refs.append(Ref(i))
+        self.index[id(t)] = i
+        self.alive.append(t)
+        if self.on_meta_device:
+            self.views[view] = i
+        self.group_of[i] = self.storage_group.setdefault(key, len(self.storage_group))
+        whole = (t.is_contiguous() and t.storage_offset() == 0
+                 and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+        self.layout[i] = TensorLayout(tuple(t.shape), tuple(t.stride()), t.dtype, whole)
+        # A real tensor from outside, or a fake one standing for a literal
+        # (`torch.tensor(5.0)` under FakeTensorMode keeps its value in `.constant`
+        # and reaches the tape only through `lift_fresh`): a constant.
+        # A meta tensor holds no value: only ever a tensor the recording made.
+        value = (getattr(t, "constant", None) if isinstance(t, FakeTensor)
+                 else None if t.is_meta else t)
+        if value is not None:
+            with _disable_current_modes():  # a real copy, not a fake one
+                self.constants[i] = value.detach().clone()
+            self.written.add(self.group_of[i])
+        return self.refs[i]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-
-        def encode(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                return self.ref(x)
-            if self.on_meta_device and isinstance(x, torch.device) and x.type == "meta":
-                return _CPU
-            return x
-
-        op = Op(func, map_leaves(encode, args), map_leaves(encode, kwargs), map_leaves(encode, out))
-        if self.on_meta_device:
-            self._refuse_foreign_inputs(func, op)
+        # Inputs before outputs: an in-place operation returns its input, which must
+        # have been made before (`_input`).
+        self.func = func
+        op = Op(func, map_leaves(self._input, args), map_leaves(self._input, kwargs) if kwargs else {},
+                map_leaves(self._output, out))
         if _draws_random_numbers(func):
             with _disable_current_modes():  # real tensors, compared outside the fake mode
                 state = torch.get_rng_state()
@@ -213,15 +205,27 @@ class _Recorder(TorchDispatchMode):
         self._note_writes(func, args, op)
         return out
 
-    def _refuse_foreign_inputs(self, func: Any, op: Op) -> None:
-        """A meta tensor no recorded operation made (built before the block, or by a
-        path that dispatches nothing) has no value the replay could start from."""
-        for r in leaves((op.args, op.kwargs)):  # before the outputs: an in-place op returns its input
-            if isinstance(r, Ref) and r.index not in self.made and r.index not in self.constants:
+    def _input(self, x: Any) -> Any:
+        """An argument as the tape holds it. On the meta device, a meta tensor no recorded
+        operation made (built before the block, or by a path that dispatches nothing)
+        has no value the replay could start from: refused."""
+        if isinstance(x, torch.Tensor):
+            ref = self.ref(x)
+            if self.on_meta_device and ref.index not in self.made and ref.index not in self.constants:
                 raise DeferredInitError(
-                    f"{func} reads a meta tensor that no recorded operation made: its "
+                    f"{self.func} reads a meta tensor that no recorded operation made: its "
                     "value cannot be replayed")
-        self.made.update(r.index for r in leaves(op.out) if isinstance(r, Ref))
+            return ref
+        if self.on_meta_device and isinstance(x, torch.device) and x.type == "meta":
+            return _CPU
+        return x
+
+    def _output(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            ref = self.ref(x)
+            self.made.add(ref.index)
+            return ref
+        return x
 
     def _note_writes(self, func: Any, args: tuple[Any, ...], op: Op) -> None:
         written_args, fresh_returns = _writes_of(func)
