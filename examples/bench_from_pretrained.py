@@ -249,10 +249,9 @@ def _map_own_rows(model: torch.nn.Module, directory: Path) -> None:
             local = target.to_local()
             begin, end = entry["data_offsets"]
             rows = entry["shape"][0]
-            row_bytes = (end - begin) // rows
-            first = min(target.device_mesh.get_local_rank() * -(-rows // target.device_mesh.size()), rows)
-            start = 8 + length + begin + first * row_bytes
-            part = data[start:start + local.numel() * 4].view(torch.float32).view(local.shape)
+            first, _ = _rank_rows(rows, target.device_mesh.get_local_rank(), target.device_mesh.size())
+            start = 8 + length + begin + first * ((end - begin) // rows)
+            part = data[start:start + local.nbytes].view(local.dtype).view(local.shape)
             state[name] = torch.nn.Parameter(DTensor.from_local(
                 part, target.device_mesh, target.placements, run_check=False,
                 shape=target.shape, stride=target.stride()))
@@ -311,6 +310,12 @@ def _headers(directory: Path) -> list[tuple[Path, int, dict]]:
     return out
 
 
+def _rank_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """The dim-0 rows ``[first, last)`` FSDP2 gives ``rank`` of ``world`` (``torch.chunk``)."""
+    per_rank = -(-rows // world)
+    return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+
+
 def _pread_rows(directory: Path, rank: int, world: int) -> None:
     """Read this rank's dim-0 rows of every tensor into one reused buffer."""
     ranges = []
@@ -318,9 +323,8 @@ def _pread_rows(directory: Path, rank: int, world: int) -> None:
         for entry in header.values():
             begin, end = entry["data_offsets"]
             rows = entry["shape"][0] if entry["shape"] else 1
-            per_rank = -(-rows // world)
             row_bytes = (end - begin) // rows if rows else 0
-            first, last = min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+            first, last = _rank_rows(rows, rank, world)
             if last > first:
                 ranges.append((file, 8 + length + begin + first * row_bytes, (last - first) * row_bytes))
     buffer = bytearray(max(n for _, _, n in ranges))
