@@ -441,7 +441,14 @@ def _like(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # The target's own spec (mesh, placements, global shape, stride, dtype), as FSDP2
         # builds its shards: `DTensor.from_local` runs an autograd function a load needs
         # no graph from, 4x the time (0.020 against 0.0055 s for 201 tensors, measured).
-        value = DTensor(value, target._spec, requires_grad=False)
+        is_param = isinstance(target, nn.Parameter)
+        value = DTensor(value, target._spec, requires_grad=target.requires_grad and is_param)
+        if is_param:
+            # What `nn.Parameter` makes of a tensor subclass, without its `detach()`, which
+            # goes through DTensor's dispatch: the new DTensor has no graph to cut (201
+            # tensors: 1.6 against 6.7 ms, measured). The flag is how torch marks it.
+            value._is_param = True
+        return value
     if isinstance(target, nn.Parameter):
         value = nn.Parameter(value, requires_grad=target.requires_grad)
     return value

@@ -258,6 +258,7 @@ class SafetensorsFile:
         except CheckpointError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
         self.data_start = 8 + length
+        self._map: mmap.mmap | None = None
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -318,21 +319,30 @@ class SafetensorsFile:
             return None
         if shape:
             shape[0] = stop - start
-        aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
-        try:
-            with open(self.path, "rb") as f:  # the map keeps the file; the descriptor can go
-                if os.fstat(f.fileno()).st_size < offset + nbytes:
-                    raise CheckpointError(f"{self.path}: {name}: the file ends before its data")
-                region = mmap.mmap(f.fileno(), offset + nbytes - aligned, flags=mmap.MAP_PRIVATE,
-                                   prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=aligned)
-        except OSError as exc:
-            raise CheckpointError(f"{self.path}: {name}: cannot map ({exc.strerror or exc})") from None
+        region = self._region()
+        if len(region) < offset + nbytes:
+            raise CheckpointError(f"{self.path}: {name}: the file ends before its data")
         # Start reading the rows in now, in the background (the page cache may not hold them):
         # the first touch then waits less.
-        region.madvise(mmap.MADV_WILLNEED)
-        # The tensor holds the map (frombuffer keeps its buffer alive); unmapped when freed.
+        first_page = offset - offset % mmap.PAGESIZE
+        region.madvise(mmap.MADV_WILLNEED, first_page, offset + nbytes - first_page)
+        # The tensor holds the map (frombuffer keeps its buffer alive); unmapped when the
+        # last tensor on it is freed.
         return torch.frombuffer(region, dtype=entry.dtype, count=nbytes // itemsize,
-                                offset=offset - aligned).view(shape)
+                                offset=offset).view(shape)
+
+    def _region(self) -> mmap.mmap:
+        """The whole file, mapped privately once for every `map_rows` of this handle: a
+        map per tensor cost an open, a stat and a map call each (201 of each for a 1.1B
+        Llama). Mapping reserves addresses only; a rank's memory holds the pages it touches."""
+        if self._map is None:
+            try:
+                with open(self.path, "rb") as f:  # the map keeps the file; the descriptor can go
+                    self._map = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except (OSError, ValueError) as exc:  # ValueError: an empty file
+                raise CheckpointError(f"{self.path}: cannot map ({getattr(exc, 'strerror', None) or exc})") from None
+        return self._map
 
     def read_block(self, name: str, start: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
         """Indices ``start[d]:start[d] + shape[d]`` in every dimension, in the file's dtype,

@@ -19,8 +19,13 @@ __all__ = ["Block", "FlatPart", "ShardLayout", "WHOLE", "dtensor_block", "local"
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: a DTensor's local shard, any other tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    """This rank's part of ``tensor``: a DTensor's local shard (the tensor itself, so a
+    write into it is a write into the DTensor), any other tensor itself."""
+    # The DTensor's own local tensor rather than `to_local()`, which runs an autograd
+    # function for a graph that shape checks and no-grad fills never use: 2.9 ms against
+    # 0.01 ms for 201 tensors, and a 1.1B load asks about 1,200 times (measured).
+    part = getattr(tensor, "_local_tensor", None)
+    return tensor if part is None else part
 
 
 @dataclasses.dataclass(frozen=True)
