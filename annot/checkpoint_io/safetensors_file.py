@@ -334,7 +334,9 @@ class SafetensorsFile:
     def _region(self) -> mmap.mmap:
         """The whole file, mapped privately once for every `map_rows` of this handle: a
         map per tensor cost an open, a stat and a map call each (201 of each for a 1.1B
-        Llama). Mapping reserves addresses only; a rank's memory holds the pages it touches."""
+        Llama), and a model of tens of thousands of tensors would near the kernel's limit
+        on maps per process (``vm.max_map_count``, 65,530 by default). Mapping reserves
+        addresses only; a rank's memory holds the pages it touches."""
         if self._map is None:
             try:
                 with open(self.path, "rb") as f:  # the map keeps the file; the descriptor can go
