@@ -1,15 +1,12 @@
-"""`SafetensorsFile.map_rows` and `layout.local`, on one process: the pieces of a mapped
-load (``mmap=True``) that need no process group."""
+"""`SafetensorsFile.map_rows` and `layout.local`, in this process (a one-rank group for
+the DTensor): the pieces of a mapped load (``mmap=True``) that need no launch."""
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 
-import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -64,21 +61,10 @@ def test_rows_that_the_dtype_cannot_align_are_left_to_reads(tmp_path):
     assert handle.map_rows("x", 1, 1) is None  # no rows: nothing to map
 
 
-@pytest.fixture
-def mesh():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_local_is_the_dtensors_own_part(mesh):
+def test_local_is_the_dtensors_own_part(one_rank):
     """A write into `local` of a DTensor is a write into the DTensor (the fills of a
     sharded load go through it), and a plain tensor is its own part."""
-    value = DTensor.from_local(torch.zeros(4, 2), mesh, [Shard(0)])
+    value = DTensor.from_local(torch.zeros(4, 2), init_device_mesh("cpu", (1,)), [Shard(0)])
     local(value).fill_(3.0)
     assert torch.equal(value.full_tensor(), torch.full((4, 2), 3.0))
     plain = torch.ones(2)
