@@ -30,6 +30,7 @@ __all__ = [
     "model_factory",
     "prepare_for_training",
     "pretrained_inside",
+    "training_forward_kwargs",
 ]
 
 logger = logging.getLogger("annot.huggingface")
@@ -177,6 +178,25 @@ def _use_cache_position(model: nn.Module) -> int | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return len(parameters) + 1_000_000
     return None
+
+
+def training_forward_kwargs(model: nn.Module, args: tuple[Any, ...],
+                            kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` as a training forward of ``model`` gets them after
+    `prepare_for_training`: with ``use_cache=False`` when ``model`` is or holds a
+    transformers model whose ``forward`` takes ``use_cache`` and the caller set it in
+    neither ``args`` nor ``kwargs``. For callers that run a forward of their own on a
+    model `auto_wrap` has not prepared (the memory trace): a cache written during the
+    forward and again during recomputation would double its length (pitfall 14)."""
+    hf_model = pretrained_inside(model)
+    if hf_model is None or "use_cache" in kwargs:
+        return kwargs
+    position = _use_cache_position(model)
+    if position is None or len(args) > position:
+        return kwargs
+    if hf_model is not model and position >= 1_000_000:
+        return kwargs  # a module of the user's taking **kwargs: it may not pass them on
+    return {**kwargs, "use_cache": False}
 
 
 HookResult = tuple[tuple[Any, ...], dict[str, Any]] | None

@@ -24,6 +24,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
+from annot.huggingface.model import training_forward_kwargs
 from annot.policies import Action, Plan
 
 __all__ = ["ActivationEstimate", "default_inputs", "trace_activations"]
@@ -307,6 +308,8 @@ def trace_step(
     try:
         with fake_mode, counter, flop_counter:
             args, kwargs = (inputs or default_inputs)(model, batch, seq)
+            if paths:  # as auto_wrap runs a checkpointed transformers model (pitfall 14)
+                kwargs = training_forward_kwargs(model, args, kwargs)
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
                 out = model(*args, **kwargs)
                 loss = _loss_of(out)

@@ -154,6 +154,9 @@ class MemoryReport:
     network: Network | None = None
     #: The ``auto_wrap`` call of the recommendation.
     call: str | None = None
+    #: Layouts not weighed, each (label, why): a tensor-parallel layout the model's
+    #: ``_tp_plan`` cannot give.
+    unavailable: tuple[tuple[str, str], ...] = ()
 
     def row(self, key: str) -> StrategyRow:
         return next(r for r in self.rows if r.key == key)
@@ -198,6 +201,8 @@ class MemoryReport:
                 "tensor-parallel group shares one micro-batch")
         for row in [header, *rows]:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        for label, why in self.unavailable:
+            lines.append(f"{label.ljust(widths[0])}  unavailable: {why}")
         lines.append(f"recommendation: {self.reason}")
         if self.call is not None:
             lines.append(f"  {self.call}")
@@ -380,10 +385,11 @@ def estimate_memory(
                       inter_node_bw=inter_node_bw * 1e9, flops=tflops * 1e12)
     gpu_mem = gpu_mem if gpu_mem is not None else _default_gpu_mem()
     host_mem = host_mem if host_mem is not None else _default_host_mem()
+    styles, unavailable = _tensor_parallel_styles(model, tp_plan, network)
     rows, activations, strategies = _rows(
         model, plan, network=network, batch=batch, seq=seq, precision=precision,
         optimizer=optimizer, gpu_mem=gpu_mem, host_mem=host_mem, margin=margin, reserve=reserve,
-        inputs=inputs, tp_plan=tp_plan)
+        inputs=inputs, styles=styles)
     key, checkpoint, reason = _recommend(rows, plan.total_params, gpu_mem, bool(activations.per_unit))
     if nodes > 1 and key is not None:
         key, checkpoint, reason = _prefer_network(rows, key, checkpoint, reason)
@@ -395,12 +401,34 @@ def estimate_memory(
         activations=activations, rows=tuple(rows), recommendation=key, checkpoint=checkpoint,
         reason=reason, network=network,
         call=strategies[key].call(precision, checkpoint) if key is not None else None,
+        unavailable=unavailable,
     )
+
+
+def _tensor_parallel_styles(model: nn.Module, tp_plan: dict[str, str] | None,
+                            network: Network) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:
+    """The tensor-parallel styles of ``model`` (`tp_styles`) when some weighed layout
+    uses tensor parallelism (several nodes of several GPUs), and the layouts left out
+    with the reason. Styles are resolved only then: a model whose ``_tp_plan`` asks for
+    what annot does not apply (Qwen3's ``replicated_with_grad_allreduce`` norms, MoE
+    experts) still gets every other row; its tensor-parallel row says why it is missing."""
+    tp_layouts = [s for s in layout_strategies(network.gpus_per_node, network.nodes)
+                  if dict(s.mesh).get("tp", 1) > 1]
+    if not tp_layouts:
+        return {}, ()
+    try:
+        styles = tp_styles(model, tp_plan)
+    except MemoryInputError as error:
+        return {}, tuple((s.label, str(error)) for s in tp_layouts)
+    if not styles:
+        return {}, tuple((s.label, "no Linear layer to split (no _tp_plan, no layer named like "
+                          "q_proj/o_proj or c_attn/c_proj): pass tp_plan=") for s in tp_layouts)
+    return styles, ()
 
 
 def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: int,
           precision: str, optimizer: str, gpu_mem: int, host_mem: int, margin: float,
-          reserve: int, inputs: InputsFn | None, tp_plan: dict[str, str] | None = None,
+          reserve: int, inputs: InputsFn | None, styles: dict[str, str],
           keys: tuple[str, ...] | None = None,
           ) -> tuple[list[StrategyRow], ActivationEstimate, dict[str, Strategy]]:
     gpus, world = network.gpus_per_node, network.world
@@ -409,7 +437,6 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
                                     dtype=None if precision in ("fp32", "amp") else half, inputs=inputs)
     facts = model_facts(model, plan)
     records = param_records(model, plan)
-    styles = tp_styles(model, tp_plan)
     candidates = (*STRATEGIES, *layout_strategies(gpus, network.nodes, tp=bool(styles)))
     chosen = [s for s in candidates if keys is None or s.key in keys]
     # With no unit to checkpoint, the checkpointed step is the plain one: traced once.

@@ -134,3 +134,38 @@ def test_compute_dtype_halves_floating_activations(gpt_meta):
 def test_bad_batch_is_rejected(gpt_meta):
     with pytest.raises(ValueError, match="at least 1"):
         trace_activations(gpt_meta, None, batch=0, seq=16)
+
+
+def _tiny_gemma2_on_meta():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128)
+    with torch.device("meta"):
+        return transformers.Gemma2ForCausalLM(config)
+
+
+@pytest.mark.slow
+def test_a_checkpointed_transformers_step_is_traced_without_a_kv_cache():
+    # Gemma 2's config has use_cache=True: traced as called, recomputing a checkpointed
+    # layer appends to the cache a second time and the mask no longer broadcasts. The
+    # trace runs the forward as auto_wrap prepares it (use_cache=False; pitfall 14).
+    from annot.memory.activations import trace_step
+
+    model = _tiny_gemma2_on_meta()
+    assert model.config.use_cache is True
+    layer = type(model.model.layers[0])
+    plan = annot.plan(model, annot.Policy(shard=annot.by_class(layer), checkpoint=annot.by_class(layer)))
+    plain = trace_step(model, plan, batch=1, seq=64, checkpoint=False)
+    checkpointed = trace_step(model, plan, batch=1, seq=64, checkpoint=True)
+    assert checkpointed.checkpoint and 0 < checkpointed.peak < plain.peak
+    assert model.config.use_cache is True  # the user's config is untouched
+
+
+def test_training_forward_kwargs_turn_the_cache_off_only_where_the_forward_takes_it():
+    from annot.huggingface.model import training_forward_kwargs
+
+    model = _tiny_gemma2_on_meta()
+    assert training_forward_kwargs(model, (), {"input_ids": 1}) == {"input_ids": 1, "use_cache": False}
+    assert training_forward_kwargs(model, (), {"use_cache": True}) == {"use_cache": True}
+    assert training_forward_kwargs(nn.Linear(2, 2), (), {}) == {}

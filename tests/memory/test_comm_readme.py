@@ -12,7 +12,7 @@ import torch
 
 import annot
 from annot.memory.communication import Network
-from annot.memory.report import _rows, _seconds
+from annot.memory.report import _rows, _seconds, _tensor_parallel_styles
 from annot.policies.plan import format_bytes
 from examples.gpt.model import GPT
 
@@ -32,11 +32,14 @@ def test_readme_two_node_table_is_what_the_planner_prints():
         model = GPT(**MINGPT)
     # estimate_memory's rows, only those the table shows (the other rows' traces are slow).
     plan = annot.plan(model)
+    networks = {nodes: Network(gpus_per_node=8, nodes=nodes, inter_node_bw=1e9) for nodes in (1, 2)}
     reports = {nodes: {r.label: r for r in _rows(
-        model, plan, network=Network(gpus_per_node=8, nodes=nodes, inter_node_bw=1e9), batch=1,
+        model, plan, network=network, batch=1,
         seq=128, precision="fp16-mixed", optimizer="adamw", gpu_mem=40 * 2**30, host_mem=2**40,
         margin=0.1, reserve=2**30, inputs=None,
-        keys=("zero3", "fsdp2", "fsdp2-hsdp", "zero3-hpz", "tp-fsdp2"))[0]} for nodes in (1, 2)}
+        styles=_tensor_parallel_styles(model, None, network)[0],
+        keys=("zero3", "fsdp2", "fsdp2-hsdp", "zero3-hpz", "tp-fsdp2"))[0]}
+        for nodes, network in networks.items()}
     table = _table()
     assert len(table) == 7
     for label, machines, gpu, intra, inter, step in table:

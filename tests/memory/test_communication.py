@@ -3,6 +3,8 @@ collectives on hand-computed small cases, and the step time in `estimate_memory`
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -205,3 +207,36 @@ def test_step_time_counts_the_traced_flops():
     assert t.compute == pytest.approx(t.flops / 1e12)
     assert t.tokens == 2 * 64 * 2
     assert report.row("ddp").time_checkpointed.flops > t.flops  # recomputation
+
+
+def _gpt_with_tp_plan(plan: dict[str, str]) -> GPT:
+    model = _gpt(n_layer=2, n_embd=64, n_head=4, vocab_size=128, block_size=32)
+    model._tp_plan = plan  # as transformers models carry theirs
+    return model
+
+
+@pytest.mark.slow
+def test_a_tp_plan_annot_cannot_apply_marks_the_tp_row_unavailable_not_the_table():
+    # Qwen3's _tp_plan asks for replicated_with_grad_allreduce on its q/k norms: the
+    # other layouts are still weighed, the TP row says why it is missing.
+    model = _gpt_with_tp_plan({"transformer.h.*.attn.c_attn": "colwise",
+                               "transformer.h.*.ln_1": "replicated_with_grad_allreduce"})
+    common = dict(batch=1, seq=32, gpu_mem=80 * GiB, host_mem=64 * GiB)
+    one_node = annot.estimate_memory(model, gpus=1, **common)
+    assert one_node.unavailable == () and one_node.recommendation == "ddp"
+    two_nodes = annot.estimate_memory(model, gpus=4, nodes=2, **common)
+    keys = {r.key for r in two_nodes.rows}
+    assert "tp-fsdp2" not in keys and {"fsdp2-hsdp", "zero3-hpz", "fsdp2"} <= keys
+    ((label, why),) = two_nodes.unavailable
+    assert label == "TP 4 x FSDP2 2" and "replicated_with_grad_allreduce" in why
+    assert re.search(rf"^{re.escape(label)} +unavailable: {re.escape(why)}$", two_nodes.table(), re.M)
+    assert two_nodes.to_dict()["unavailable"] == ((label, why),)
+
+
+@pytest.mark.slow
+def test_a_tp_plan_annot_applies_keeps_the_tp_row():
+    model = _gpt_with_tp_plan({"transformer.h.*.attn.c_attn": "colwise",
+                               "transformer.h.*.attn.c_proj": "rowwise"})
+    report = annot.estimate_memory(model, gpus=4, nodes=2, batch=1, seq=32,
+                                   gpu_mem=80 * GiB, host_mem=64 * GiB)
+    assert "tp-fsdp2" in {r.key for r in report.rows} and report.unavailable == ()
