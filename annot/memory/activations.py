@@ -14,9 +14,11 @@ recomputes one unit at a time, which adds that unit's interior as a transient pe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -147,7 +149,7 @@ def trace_activations(
         handles.append(modules[path].register_forward_pre_hook(enter(path), with_kwargs=True))
         handles.append(modules[path].register_forward_hook(leave))
     try:
-        with fake_mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fake_mode, _traceable_experts(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             torch.func.functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
     finally:
         for handle in handles:
@@ -306,7 +308,7 @@ def trace_step(
     model.train()
     flop_counter = FlopCount()
     try:
-        with fake_mode, counter, flop_counter:
+        with fake_mode, counter, flop_counter, _traceable_experts():
             args, kwargs = (inputs or default_inputs)(model, batch, seq)
             if paths:  # as auto_wrap runs a checkpointed transformers model (pitfall 14)
                 kwargs = training_forward_kwargs(model, args, kwargs)
@@ -326,6 +328,33 @@ def trace_step(
                      peak_with_grads=peaks["all"], grads=peaks["grads"],
                      segments=tuple((ph, u, top, end) for ph, u, top, end in segments),
                      flops=flop_counter.total)
+
+
+@contextlib.contextmanager
+def _traceable_experts() -> Iterator[None]:
+    """Let transformers' fused mixture-of-experts layers run under ``FakeTensorMode`` in
+    any dtype. torch's shape function for ``_grouped_mm`` (torch/_meta_registrations.py)
+    carries the CUDA kernel's bf16-only check, while the CPU kernel transformers calls
+    takes fp32 too, so a fp32 trace of Mixtral, Qwen3-MoE or gpt-oss failed. For weights
+    other than bf16, transformers' own grouped-matmul fallback op is used instead: it has
+    a shape function for every dtype and saves the same tensors for backward (the
+    tokens and the expert weights), so the count is unchanged. Applied only where
+    transformers' MoE module is already imported; a transformers without the private
+    helper traces as before."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if moe is None or original is None:
+        yield
+        return
+
+    def can_use(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
+        return weight.dtype == torch.bfloat16 and original(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
 
 
 def _loss_of(out: Any) -> torch.Tensor:

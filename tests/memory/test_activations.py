@@ -76,12 +76,16 @@ def _hf(name: str):
     if name == "gpt2":
         return transformers.GPT2LMHeadModel(
             transformers.GPT2Config(vocab_size=101, n_embd=48, n_layer=2, n_head=4, n_positions=64))
+    if name == "mixtral":  # fused experts: transformers' grouped matmul, top-2 of 4
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **small, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
     if name == "bert":
         return transformers.BertForMaskedLM(transformers.BertConfig(**small, max_position_embeddings=64))
     raise AssertionError(name)
 
 
-MODELS = {"gpt": _gpt, "llama": lambda: _hf("llama"), "gpt2": lambda: _hf("gpt2"), "bert": lambda: _hf("bert")}
+MODELS = {"gpt": _gpt, "llama": lambda: _hf("llama"), "gpt2": lambda: _hf("gpt2"), "bert": lambda: _hf("bert"),
+          "mixtral": lambda: _hf("mixtral")}
 
 
 def _within(estimate: int, actual: int) -> bool:

@@ -108,3 +108,23 @@ def test_engine_buffers_are_in_the_zero_rows():
                                    gpu_mem=GiB, host_mem=GiB)
     parts = report.row("zero2").detail.parts
     assert 0 < parts["reduce bucket"] < 2**20
+
+
+@pytest.mark.slow
+def test_a_transformers_moe_gets_every_row():
+    # Qwen3-MoE: fused experts (grouped matmul under the fake trace in fp32 and bf16) and
+    # a _tp_plan with styles annot does not apply (the TP layout is the one row left out).
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(config)
+    common = dict(batch=1, seq=32, gpu_mem=80 * GiB, host_mem=64 * GiB)
+    for precision in ("fp32", "bf16-mixed"):
+        report = annot.estimate_memory(model, gpus=1, precision=precision, **common)
+        assert report.recommendation == "ddp" and report.activations.saved > 0
+    two_nodes = annot.estimate_memory(model, gpus=2, nodes=2, **common)
+    assert [label for label, _ in two_nodes.unavailable] == ["TP 2 x FSDP2 2"]
+    assert {"fsdp2", "zero3", "fsdp2-hsdp"} <= {r.key for r in two_nodes.rows}
