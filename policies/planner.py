@@ -10,6 +10,7 @@ refuses what it cannot shard). Every error names the module paths and the fix.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections import defaultdict
 
 import torch
@@ -106,6 +107,9 @@ def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
             "the plan would do nothing. Check the rule against the module tree "
             "(print(model)) or mark the block class with @annot.shard_block."
         )
+    if lenient and _is_huggingface(model):
+        units, note = _no_checkpoint_of_cache_writers(index, units)
+        warnings += note
     units = _order_bottom_up(index, units)
     tied = _tied_groups(model)
     units = _resolve_ties(index, units, tied, policy.group_tied)
@@ -128,6 +132,52 @@ def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
         total_bytes=_bytes_by_dtype(model.parameters()),
         warnings=tuple(warnings),
     )
+
+
+#: Names under which a transformers module's ``forward`` takes a key/value cache it may
+#: write into.
+_CACHE_PARAMETERS = frozenset({"cache", "past_key_value", "past_key_values", "layer_past",
+                               "cache_params"})
+
+
+def _forward_parameters(index: ModelIndex, module: nn.Module) -> frozenset[str]:
+    """Parameter names of ``module.forward``, read once per class and plan."""
+    memo = index.memo.setdefault("forward_parameters", {})
+    cls = type(module)
+    if cls not in memo:
+        try:
+            memo[cls] = frozenset(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):
+            memo[cls] = frozenset()
+    return memo[cls]
+
+
+def _no_checkpoint_of_cache_writers(index: ModelIndex, units: list[Unit]) -> tuple[list[Unit], list[str]]:
+    """A HuggingFace model none of whose modules takes ``use_cache`` cannot be told to
+    train without a key/value cache (XLM builds one on every forward), so a checkpointed
+    unit that takes the cache would write it again when recomputed and read its own keys
+    twice (docs/design.md, pitfall 14). The default policy keeps such units sharded and
+    does not checkpoint them; the plan says so. A model with the switch is left as it is:
+    `auto_wrap` passes ``use_cache=False`` to a root that takes it, and an encoder's inner
+    model (BERT's) leaves its cache off by itself."""
+    if any("use_cache" in _forward_parameters(index, module) for _, module in index):
+        return units, []
+    kept, dropped = [], []
+    for unit in units:
+        writer = unit.has(Action.CHECKPOINT) and any(
+            not _CACHE_PARAMETERS.isdisjoint(_forward_parameters(index, module))
+            for path, module in index if is_under(path, unit.path))
+        if writer:
+            dropped.append(unit.path)
+            unit = dataclasses.replace(
+                unit, actions=tuple(a for a in unit.actions if a is not Action.CHECKPOINT),
+                reason=unit.reason + "; not checkpointed: writes a key/value cache")
+        kept.append(unit)
+    if not dropped:
+        return units, []
+    return kept, [f"not checkpointed: {', '.join(dropped)} take a key/value cache that "
+                  f"{type(index.model).__name__} cannot turn off (no module takes use_cache); "
+                  "recomputing them would write it twice"]
 
 
 def _merge_reasons(reasons: list[str]) -> list[str]:
@@ -198,24 +248,33 @@ def _deepest_member(members: dict[str, str], module_path: str) -> str:
 def _resolve_ties(
     index: ModelIndex, units: list[Unit], tied: list[list[str]], group: bool
 ) -> list[Unit]:
-    errors = []
-    for names in tied:
-        members = _shard_members(units)  # again for each group: grouping changes the units
-        owners = {n: _deepest_member(members, parent_path(n)) for n in names}
-        if len(set(owners.values())) == 1:
-            continue
-        if not group:
-            where = ", ".join(f"{n} in {_label(o)}" for n, o in owners.items())
-            errors.append(
-                f"tied parameters are split across shard units: {where}. A tied parameter "
-                "must live in one unit: pass Policy(group_tied=True) to shard these modules "
-                "as one unit, or exclude them from sharding (e.g. rule - by_name(...))."
-            )
-            continue
-        units = _group(units, names, owners)
-    if errors:
-        raise PlanError("\n".join(errors))
-    return units
+    # Grouping one tied group can split another that was whole (CamemBERT: the bias
+    # lm_head.bias = lm_head.decoder.bias is whole at the root until the weight's group
+    # pulls lm_head.decoder into the embeddings' unit), so groups are resolved until none
+    # is split: the result does not depend on the order the groups are visited in. Each
+    # pass merges units, so it ends.
+    while True:
+        errors = []
+        merged = False
+        for names in tied:
+            members = _shard_members(units)  # again for each group: grouping changes the units
+            owners = {n: _deepest_member(members, parent_path(n)) for n in names}
+            if len(set(owners.values())) == 1:
+                continue
+            if not group:
+                where = ", ".join(f"{n} in {_label(o)}" for n, o in owners.items())
+                errors.append(
+                    f"tied parameters are split across shard units: {where}. A tied parameter "
+                    "must live in one unit: pass Policy(group_tied=True) to shard these modules "
+                    "as one unit, or exclude them from sharding (e.g. rule - by_name(...))."
+                )
+                continue
+            units = _group(units, names, owners)
+            merged = True
+        if errors:
+            raise PlanError("\n".join(errors))
+        if not merged:
+            return units
 
 
 def _group(units: list[Unit], names: list[str], owners: dict[str, str]) -> list[Unit]:

@@ -343,11 +343,9 @@ class _NoSplitModules(Rule):
 
     def select(self, index: ModelIndex) -> Selection:
         wanted = set(_collect_no_split(index))
-        return {
-            path: f"no_split_modules({type(module).__name__})"
-            for path, module in index
-            if path and type(module).__name__ in wanted
-        }
+        named = {path: f"no_split_modules({type(module).__name__})"
+                 for path, module in index if path and type(module).__name__ in wanted}
+        return index.ordered(_lift_into_repeated_blocks(index, named))
 
     def diagnostics(self, index: ModelIndex) -> list[str]:
         present = {type(m).__name__ for _, m in index}
@@ -356,6 +354,34 @@ class _NoSplitModules(Rule):
             for name in _collect_no_split(index)
             if name not in present
         ]
+
+
+def _lift_into_repeated_blocks(index: ModelIndex, named: dict[str, str]) -> dict[str, str]:
+    """A module named by ``_no_split_modules`` that sits inside a block of the repeated
+    trunk (`repeated_blocks`) none of whose ancestors or itself is named: that block
+    instead. RoBERTa-PreLayerNorm names only its attention, so its layers' feed-forward
+    weights stayed with the root, unsharded; "do not split" holds for the larger block
+    too. Where the named module is the block (Llama's decoder layer) or sits under a
+    named one, nothing changes. The outermost repeated block is taken (an expert list
+    inside a layer is itself repeated)."""
+    blocks = _RepeatedBlocks().select(index)
+    if not blocks:
+        return named
+    out: dict[str, str] = {}
+    for path, reason in named.items():
+        ancestors = [a for a in _ancestors(path) if a in blocks]
+        if any(a in named for a in _ancestors(path)) or not ancestors:
+            out[path] = reason
+            continue
+        block = ancestors[-1]  # outermost
+        out.setdefault(block, f"{reason} inside {blocks[block]}")
+    return out
+
+
+def _ancestors(path: str) -> list[str]:
+    """Strict ancestors of ``path``, innermost first (``a.b.c`` -> ``a.b``, ``a``)."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
 
 
 def no_split_modules() -> Rule:

@@ -85,3 +85,72 @@ def test_keep_in_fp32_modules_become_their_own_units_in_half_precision():
 def test_keep_in_fp32_modules_add_no_unit_in_fp32():
     plan = annot.plan(meta_model("t5"))
     assert not [u for u in plan.units if "keep_in_fp32_modules" in u.reason]
+
+
+def _meta_from_config(model_type: str, **sizes) -> torch.nn.Module:
+    """A tiny causal LM of ``model_type`` on the meta device, from transformers' own config."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type, **sizes)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+ROBERTA_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, vocab_size=128, is_decoder=True)
+
+
+@pytest.mark.parametrize("model_type", ["camembert", "xlm-roberta", "roberta-prelayernorm"])
+@pytest.mark.parametrize("order", ["as found", "reversed"])
+def test_every_tied_group_ends_in_one_unit_whatever_the_order(model_type, order, monkeypatch):
+    # Two tied groups, weight (embeddings = lm_head.decoder) and bias (lm_head =
+    # lm_head.decoder): grouping the weight moved lm_head.decoder into the embeddings'
+    # unit and split the bias group, which had been whole at the root (CamemBERT, XLM-R:
+    # FSDP2 then refused "Parameter shared with ... another FSDP group").
+    from annot.policies import planner
+
+    found = planner._tied_groups
+    if order == "reversed":
+        monkeypatch.setattr(planner, "_tied_groups", lambda model: found(model)[::-1])
+    model = _meta_from_config(model_type, **ROBERTA_SIZES)
+    plan = annot.plan(model)
+    assert len(plan.tied) == 2
+    shard_units = [u for u in plan.units if u.has("shard")]
+    for group in plan.tied:
+        owners = {next((u.path for u in shard_units if any(
+            name.startswith(m + ".") for m in u.modules)), "") for name in group}
+        assert len(owners) == 1, (group, owners, plan.table())
+    (embeddings,) = [u for u in shard_units if "embeddings" in u.path]
+    assert set(embeddings.modules) >= {"lm_head", "lm_head.decoder"}
+
+
+def test_no_split_modules_naming_only_a_sub_block_shards_the_repeated_layer():
+    # RoBERTa-PreLayerNorm's _no_split_modules names its attention, not its layer: the
+    # layers' feed-forward weights stayed at the root, unsharded.
+    model = _meta_from_config("roberta-prelayernorm", **ROBERTA_SIZES)
+    plan = annot.plan(model)
+    layers = [f"roberta_prelayernorm.encoder.layer.{i}" for i in range(2)]
+    assert [p for p in plan.paths("shard") if ".encoder." in p] == layers
+    assert plan.paths("checkpoint")[-2:] == layers
+    assert "inside repeated_blocks(RobertaPreLayerNormLayer)" in plan.unit(layers[0]).reason
+    assert plan.root.params < model.roberta_prelayernorm.encoder.layer[0].output.dense.weight.numel()
+
+
+def test_a_named_block_that_is_the_repeated_layer_is_kept():
+    model = _meta_from_config("llama", hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    plan = annot.plan(model)
+    assert plan.paths("shard") == ["model.layers.0", "model.layers.1"]
+    assert all("inside" not in u.reason for u in plan.units)
+
+
+def test_modules_writing_a_cache_the_model_cannot_turn_off_are_not_checkpointed():
+    # XLM builds a key/value cache on every forward and takes no use_cache: recomputing a
+    # checkpointed attention would write it twice.
+    model = _meta_from_config("xlm", emb_dim=64, n_layers=2, n_heads=4, vocab_size=128)
+    plan = annot.plan(model)
+    attentions = ["transformer.attentions.0", "transformer.attentions.1"]
+    assert set(attentions) <= set(plan.paths("shard"))
+    assert not set(attentions) & set(plan.paths("checkpoint"))
+    assert "transformer.ffns.0" in plan.paths("checkpoint")
+    assert any("cannot turn off (no module takes use_cache)" in w for w in plan.warnings)
