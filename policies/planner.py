@@ -112,7 +112,7 @@ def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
         warnings += note
     units = _order_bottom_up(index, units)
     tied = _tied_groups(model)
-    units = _resolve_ties(index, units, tied, policy.group_tied)
+    units = _order_bottom_up(index, _resolve_ties(index, units, tied, policy.group_tied))
     owned = _ownership(model, units)
     warnings += _dtype_warnings(index, units, owned)
     units = [_with_counts(u, owned.get(u.path, []), index) for u in units]
@@ -206,10 +206,14 @@ def _make_unit(index: ModelIndex, path: str, acts: set[Action], reason: str, pol
 
 
 def _order_bottom_up(index: ModelIndex, units: list[Unit]) -> list[Unit]:
-    """Post-order: a unit comes after every unit nested in it (FSDP wraps inside-out)."""
+    """Post-order: a unit comes after every unit nested in it (FSDP wraps inside-out).
+    A grouped unit (tied parameters) comes after the units nested in any of its members:
+    Zamba's shared block at layers 2 and 7 sharded before layer 7's own sub-unit, which
+    then found its parameters already sharded."""
     last = {}
     for unit in units:
-        last[unit.path] = max(index.position[p] for p in index.modules if is_under(p, unit.path))
+        last[unit.path] = max(index.position[p] for member in unit.modules
+                              for p in index.modules if is_under(p, member))
     return sorted(units, key=lambda u: (last[u.path], -u.path.count("."), u.path == ROOT))
 
 
