@@ -10,9 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
 SOURCES = sorted(
-    p for folder in ("annot", "examples", "tests", ".ci") for p in (ROOT / folder).rglob("*")
+    p for folder in ("annot", "examples", "tests", ".ci", "docs") for p in (ROOT / folder).rglob("*")
     if p.suffix in {".py", ".md", ".toml"} and "golden" not in p.parts and "data" not in p.parts
-) + [ROOT / "README.md", DESIGN]
+) + [ROOT / "README.md"]
 THIS = Path(__file__).resolve()
 
 

@@ -1,4 +1,4 @@
-"""The README's two-node ZeRO-3 table (section "Beyond one node") is what the planner
+"""The two-node ZeRO-3 table of docs/guides/multi-node.md is what the planner
 prints: every figure recomputed for the documents' minGPT on 1 and 2 nodes of 8 GPUs with
 a 1 GB/s link between them."""
 
@@ -16,18 +16,18 @@ from annot.memory.report import _rows, _seconds, _tensor_parallel_styles
 from annot.policies.plan import format_bytes
 from examples.gpt.model import GPT
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "multi-node.md"
 MINGPT = dict(n_layer=15, n_head=16, n_embd=3072, vocab_size=65, block_size=128)
 
 
 def _table() -> list[list[str]]:
-    text = README.read_text().split("**The two-node ZeRO-3 report.**", 1)[1]
+    text = GUIDE.read_text().split("**The two-node ZeRO-3 report.**", 1)[1]
     rows = re.findall(r"^\| (.+) \|$", text.split("How it is derived", 1)[0], flags=re.M)
     return [[c.strip() for c in row.split("|")] for row in rows[1:]]
 
 
 @pytest.mark.slow
-def test_readme_two_node_table_is_what_the_planner_prints():
+def test_the_guides_two_node_table_is_what_the_planner_prints():
     with torch.device("meta"):
         model = GPT(**MINGPT)
     # estimate_memory's rows, only those the table shows (the other rows' traces are slow).
@@ -48,4 +48,4 @@ def test_readme_two_node_table_is_what_the_planner_prints():
         assert [format_bytes(row.gpu), format_bytes(t.comm.intra), format_bytes(t.comm.inter),
                 _seconds(t.overlapped)] == [gpu, intra, inter, step], label
     one, two = reports[1]["ZeRO-3"].time, reports[2]["ZeRO-3"].time
-    assert round(two.overlapped / one.overlapped) == 161  # the README's "161 times"
+    assert round(two.overlapped / one.overlapped) == 161  # the guide's "161 times"

@@ -2,7 +2,7 @@
 annot builds, with checkpointing and CPU offload, the planner's per-rank figure is within
 10% of the peak of live tensor bytes counted in a real 2-rank CPU training run (one
 torchrun launch for all rows). The suite runs the smaller model size (the launch is the
-slowest test here); `python examples/bench_memory.py` runs both for the README table."""
+slowest test here); `python examples/bench_memory.py` runs both for the table in docs/guides/memory.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""FSDP2 at world size 8 on a GPT of 0.71B parameters (the 1.31B shape of the README
-table with 12 of its 24 layers, to halve the suite's time), simulated in one process
-(fake tensors, torch's fake process group) and measured with torch's FSDPMemTracker: the
-planner's per-rank figure is within 10% (examples/bench_memory.py --simulate runs 1.31B)."""
+"""FSDP2 at world size 8 on a GPT of 0.71B parameters (the 1.31B shape of the table in
+docs/guides/memory.md with 12 of its 24 layers, to halve the suite's time), simulated in
+one process (fake tensors, torch's fake process group) and measured with torch's
+FSDPMemTracker: the planner's per-rank figure is within 10% (examples/bench_memory.py
+--simulate runs 1.31B)."""
 
 from __future__ import annotations
 

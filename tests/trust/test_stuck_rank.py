@@ -5,7 +5,7 @@ default would wait 30 minutes and name no rank).
 The two ranks are started here with torchrun's environment (``RANK``, ``MASTER_PORT``,
 ...) rather than by torchrun, so the test measures annot's part: when the healthy rank
 fails. torchrun then waits a further 30 s for a stopped rank before killing it (torch
-2.13 does not apply ``--shutdown_timeout`` on its failure path), which the README states."""
+2.13 does not apply ``--shutdown_timeout`` on its failure path), which docs/guides/trust.md states."""
 
 from __future__ import annotations
 
