@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from annot._version import __version__ as __version__
 
 if TYPE_CHECKING:
+    from annot.data_loading import ResumableLoader
     from annot.engines.activation_checkpointing import apply_checkpointing
     from annot.engines.base import Trainable
     from annot.engines.ddp import DDPOptions
@@ -82,6 +83,7 @@ _EXPORTS = {
     "save_state": "annot.training_state",
     "load_state": "annot.training_state",
     "latest_state": "annot.training_state",
+    "ResumableLoader": "annot.data_loading",
     "Trainable": "annot.engines.base",
     "apply_checkpointing": "annot.engines.activation_checkpointing",
     "FSDP2Options": "annot.engines.fsdp2",
@@ -122,6 +124,7 @@ __all__ = [
     "PolicySelectionError",
     "PretrainedPathError",
     "ProcessGroupNotInitializedError",
+    "ResumableLoader",
     "Trainable",
     "apply_checkpointing",
     "auto_wrap",

@@ -10,6 +10,9 @@ A training state is one folder per save, ``DIR/step-00000042``, holding:
 - ``trainer_state.json``: the step, the optimizer's param groups, the scheduler's state,
   the user's ``extra``, the engine and world size that wrote it, engine counters;
 - ``rng-rank00000.json``, one per rank: that rank's random number generator states;
+- ``data-rank00000.json``, one per rank, when ``data=`` was passed: the position in the
+  data (the ``state_dict()`` of the loader or sampler given, `annot.ResumableLoader`'s
+  being the same on every rank and so valid on any world size);
 - ``COMMITTED``, written last (`annot.checkpoint_io.commit`): a folder without it is an
   interrupted save, refused with what it lacks.
 
@@ -66,6 +69,18 @@ class ResumedState:
 
 def _rng_file(rank: int) -> str:
     return f"rng-rank{rank:05d}.json"
+
+
+def _data_file(rank: int) -> str:
+    return f"data-rank{rank:05d}.json"
+
+
+def _require_stateful(data: Any, call: str) -> None:
+    if not (callable(getattr(data, "state_dict", None))
+            and callable(getattr(data, "load_state_dict", None))):
+        raise TypeError(f"{call}(data=...) takes an object with state_dict() and load_state_dict() "
+                        f"(annot.ResumableLoader, a stateful loader or sampler), not "
+                        f"{type(data).__name__}; keep other JSON data in extra=")
 
 
 def step_folder(directory: str | os.PathLike[str], step: int) -> Path:
@@ -162,13 +177,17 @@ def _finish_pending() -> None:
 
 def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step: int,
                scheduler: Any = None, extra: dict[str, Any] | None = None,
-               keep_last: int | None = None, async_save: bool = False) -> Path | PendingSave:
+               data: Any = None, keep_last: int | None = None,
+               async_save: bool = False) -> Path | PendingSave:
     """Save ``trainable``'s whole training state to ``directory/step-<step>``.
 
     Collective: every rank calls it and writes only its own pieces. ``scheduler``: an LR
-    scheduler (anything with ``state_dict``), ``extra``: JSON data of your own (data
-    position, metrics), returned by `load_state`. ``keep_last=K`` deletes all but the K
-    newest committed states under ``directory`` after this one is committed.
+    scheduler (anything with ``state_dict``), ``extra``: JSON data of your own (metrics),
+    returned by `load_state`. ``data``: where the run is in its data, an object with
+    ``state_dict()`` / ``load_state_dict()`` whose state is JSON (`annot.ResumableLoader`,
+    whose position is global and so resumes on any world size); each rank's is saved.
+    ``keep_last=K`` deletes all but the K newest committed states under ``directory``
+    after this one is committed.
     ``async_save=True`` returns once the tensors are copied (``dcp.async_save``) and
     writes them in the background; the returned `PendingSave` commits on ``wait()``, or
     at the next `save_state`. Returns the committed folder (or the pending save).
@@ -178,6 +197,8 @@ def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step:
                         f"not {type(trainable).__name__}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    if data is not None:
+        _require_stateful(data, "save_state")
     _finish_pending()
     import torch.distributed.checkpoint as dcp
 
@@ -192,11 +213,17 @@ def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step:
         if scheduler is not None else None,
         "extra": _json_checked(extra or {}, "extra"),
     }
-    expected = [".metadata", STATE_FILE, *(_rng_file(r) for r in range(world))]
+    data_state = (_json_checked(data.state_dict(), f"the data position ({type(data).__name__})")
+                  if data is not None else None)
+    info["data"] = data is not None
+    expected = [".metadata", STATE_FILE, *(_rng_file(r) for r in range(world)),
+                *((_data_file(r) for r in range(world)) if data is not None else ())]
     # A save that fails or is killed leaves its staging folder as it is: never in the
     # way (the next save clears it, loading skips it) and refused if named explicitly.
     staging = commit.begin(final, {"files": expected, "step": int(step), "world_size": world})
     commit.write_json(staging / _rng_file(rank), rng_states())
+    if data is not None:
+        commit.write_json(staging / _data_file(rank), data_state)
     writer = dcp.FileSystemWriter(str(staging))
     if async_save:
         future = dcp.async_save(state, storage_writer=writer, process_group=_background_group())
@@ -264,7 +291,7 @@ def _resolve(directory: Path) -> Path:
 
 
 def load_state(directory: str | os.PathLike[str], trainable: Trainable, *,
-               scheduler: Any = None, strict: bool = True) -> ResumedState:
+               scheduler: Any = None, data: Any = None, strict: bool = True) -> ResumedState:
     """Restore ``trainable`` (model, optimizer), ``scheduler`` and this rank's RNG states
     from a state `save_state` wrote, on any world size and engine.
 
@@ -273,10 +300,16 @@ def load_state(directory: str | os.PathLike[str], trainable: Trainable, *,
     Collective. RNG states come back only on the world size that saved them (each rank
     its own); elsewhere they are left as they are and logged. ``strict=False`` lets
     keys the checkpoint lacks keep their current values (listed in the log).
+    ``data``: the loader or sampler `save_state` got as ``data=`` (rebuilt the same way),
+    put back where the run was. Each rank reads its own position on the world size that
+    saved it; on another world size the saved positions must all be equal (a global
+    position, as `annot.ResumableLoader`'s), else the load is refused.
     """
     if not isinstance(trainable, Trainable):
         raise TypeError(f"load_state takes the Trainable auto_wrap(..., optimizer=...) returns, "
                         f"not {type(trainable).__name__}")
+    if data is not None:
+        _require_stateful(data, "load_state")
     _finish_pending()
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -287,6 +320,8 @@ def load_state(directory: str | os.PathLike[str], trainable: Trainable, *,
     if info.get("format") != FORMAT or info.get("version") != VERSION:
         raise CheckpointError(f"{path / STATE_FILE}: format {info.get('format')!r} version "
                               f"{info.get('version')!r}, this annot reads {FORMAT!r} {VERSION}")
+    if data is not None:  # first: a loader built for another order fails before the load
+        data.load_state_dict(_data_state(path, info))
     metadata = read_metadata(path)
     keys = {k: v for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
     _check_coverage(path, keys)
@@ -320,6 +355,24 @@ def load_state(directory: str | os.PathLike[str], trainable: Trainable, *,
                      "are not restored", path, info["world_size"], world)
     return ResumedState(path, int(info["step"]), info.get("extra") or {}, int(info["world_size"]),
                         str(info["engine"]), same_world)
+
+
+def _data_state(path: Path, info: dict[str, Any]) -> Any:
+    """This rank's saved data position: its own on the world size that saved it, else the
+    one position every saving rank recorded (refused when they differ)."""
+    if not info.get("data"):
+        raise CheckpointError(f"{path} holds no data position (saved without data=), but "
+                              "load_state got data=; leave it out to start the data afresh")
+    rank, world = rank_and_world()
+    if info["world_size"] == world:
+        return json.loads((path / _data_file(rank)).read_text())
+    states = [json.loads((path / _data_file(r)).read_text()) for r in range(info["world_size"])]
+    if any(state != states[0] for state in states[1:]):
+        raise CheckpointError(
+            f"{path}: the data positions of the {info['world_size']} saving ranks differ, so "
+            f"they cannot be spread over {world} ranks; resume on {info['world_size']} ranks, or "
+            "use a loader whose position is global (annot.ResumableLoader)")
+    return states[0]
 
 
 def _flat_keys(state: dict[str, Any], prefix: str = "") -> set[str]:

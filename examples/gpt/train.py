@@ -4,19 +4,26 @@
                                                       [--resume DIR --save-every N]
 
 The model is built under annot.meta_init (no memory) and materialized by auto_wrap.
-Rank 0 prints the Plan, then the loss of every step (averaged over ranks). The data is a
-fixed synthetic set of counting sequences (each token is the previous one plus a
-per-sequence stride), so the loss falls within a few steps. Runs on CPU (gloo) or GPUs
-(nccl); run without torchrun it trains in one process.
+Rank 0 prints the Plan, then the loss of every step (averaged over ranks). The data is an
+endless synthetic stream of counting sequences (each token is the previous one plus a
+per-sequence stride; sequence i is drawn from (seed, i) alone), read by
+annot.ResumableLoader: each step takes the next N x batch_size sequences of the stream,
+rank r the r-th block, so the loss falls within a few steps and the data does not depend
+on --steps. Runs on CPU (gloo) or GPUs (nccl); run without torchrun it trains in one
+process.
 
 With ``--resume DIR`` it continues from the newest complete training state in DIR (model,
-optimizer, step, RNG; any world size or engine), if there is one, and with
-``--save-every N`` saves one there every N steps (`annot.save_state`, the last two kept).
+optimizer, step, RNG and the position in the data stream; any world size or engine), if
+there is one, and with ``--save-every N`` saves one there every N steps
+(`annot.save_state`, the last two kept). Resumed with as many ranks, it prints the losses
+the uninterrupted run printed; on another number of ranks it continues from the same
+sequence of the stream (keep N x batch_size to see the same sequences per step).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -54,12 +61,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def counting_data(n: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    """``n`` sequences of ``length + 1`` tokens: start + stride * position, modulo vocab."""
-    gen = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, vocab, (n, 1), generator=gen)
-    stride = torch.randint(1, 4, (n, 1), generator=gen)
-    return (start + stride * torch.arange(length + 1)) % vocab
+class CountingSequences(torch.utils.data.Dataset[torch.Tensor]):
+    """An endless stream: item ``i`` is ``length + 1`` tokens, start + stride * position
+    modulo ``vocab``, with start and stride (1-3) drawn from a hash of ``(seed, i)``, so
+    any item is computed on its own and the stream has no end (no ``__len__``)."""
+
+    def __init__(self, length: int, vocab: int, seed: int) -> None:
+        self.length, self.vocab, self.seed = length, vocab, seed
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        digest = hashlib.blake2b(f"{self.seed}:{index}".encode(), digest_size=8).digest()
+        value = int.from_bytes(digest, "little")
+        start, stride = value % self.vocab, 1 + (value // self.vocab) % 3
+        return (start + stride * torch.arange(self.length + 1)) % self.vocab
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -86,21 +100,22 @@ def main(argv: list[str] | None = None) -> list[float]:
             optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
             **({"offload": True} if args.offload else {}))
 
-        data = counting_data(args.steps * world * args.batch_size, args.block_size,
-                             args.vocab_size, args.seed + 1)
+        # Its position (sequences consumed by all ranks) is saved with the training state.
+        data = annot.ResumableLoader(
+            CountingSequences(args.block_size, args.vocab_size, args.seed + 1),
+            batch_size=args.batch_size)
         device = next(trainer.parameters()).device
         first_step = 0
         if args.resume and annot.latest_state(args.resume) is not None:
-            # The data is indexed by step, so the step is also the position in the data.
-            first_step = annot.load_state(args.resume, trainer).step
+            first_step = annot.load_state(args.resume, trainer, data=data).step
             if rank == 0:
-                print(f"resumed from {annot.latest_state(args.resume)} at step {first_step}",
-                      flush=True)
+                print(f"resumed from {annot.latest_state(args.resume)} at step {first_step}, "
+                      f"sequence {data.position} of the data", flush=True)
+        batches = iter(data)
         losses = []
         start = time.perf_counter()
         for step in range(first_step, args.steps):
-            first = (step * world + rank) * args.batch_size  # this rank's rows of this step
-            batch = data[first : first + args.batch_size].to(device)
+            batch = next(batches).to(device)
             _, loss = trainer(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
             trainer.backward(loss)
             trainer.step()
@@ -109,9 +124,9 @@ def main(argv: list[str] | None = None) -> list[float]:
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
             if rank == 0:
-                print(f"step {step:3d}  loss {losses[-1]:.4f}", flush=True)
+                print(f"step {step:3d}  loss {losses[-1]:.6f}", flush=True)
             if args.resume and args.save_every and (step + 1) % args.save_every == 0:
-                annot.save_state(args.resume, trainer, step=step + 1, keep_last=2)
+                annot.save_state(args.resume, trainer, step=step + 1, data=data, keep_last=2)
         if rank == 0 and losses:
             print(f"{args.engine} on {world} process(es): loss {losses[0]:.4f} -> "
                   f"{losses[-1]:.4f} in {len(losses)} steps, {time.perf_counter() - start:.1f} s")
