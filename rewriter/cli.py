@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 __all__ = ["main"]
 
@@ -32,8 +33,15 @@ checkpoint calls per forward (for "number_checkpoints"):
 {calls}"""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line naming the problem and where help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=prog,
         description="Wrap the block calls in forward() in activation checkpointing, in place.",
         epilog="Exit codes: 0 done or nothing to do, 1 --check/--diff found changes, "
@@ -155,7 +163,10 @@ def _process(job: _Job) -> _Outcome:
         return _Outcome(
             job.path, "failed", f"{job.path}:{e.raw_line}:{e.raw_column + 1}: {e.message}"
         )
-    except (OSError, UnicodeDecodeError, SyntaxError, LookupError) as e:
+    except OSError as e:
+        return _Outcome(job.path, "failed", f"{job.path}:1:1: cannot read this file "
+                        f"({e.strerror or e}); make it readable for this user or leave it out with --exclude")
+    except (UnicodeDecodeError, SyntaxError, LookupError) as e:
         return _Outcome(job.path, "failed", f"{job.path}:1:1: {e}")
     except Exception as e:  # a bug of ours must not stop the other files
         return _Outcome(
@@ -329,8 +340,7 @@ def main(argv: list[str] | None = None, prog: str = "annot rewrite") -> int:
     except SystemExit as e:  # --help (0) or a usage error (2)
         return int(e.code or 0)
     if args.jobs < 1:
-        parser.print_usage(sys.stderr)
-        print(f"{prog}: error: -j must be at least 1", file=sys.stderr)
+        print(f"{prog}: error: -j must be at least 1, got {args.jobs}", file=sys.stderr)
         return 2
     if args.quiet and args.verbose:
         args.verbose = False
