@@ -75,9 +75,9 @@ def find_python_files(paths: Iterable[str], exclude: Iterable[str] = (),
     if unreadable is not None:
         # One line per refused folder, however many of its files or sub-folders failed,
         # and none for a folder inside another refused one (issue #33).
-        for folder, reason in sorted(refused.items()):
-            if not any(folder != other and folder.is_relative_to(other) for other in refused):
-                unreadable.append(f"{folder}: cannot read this folder ({reason}); make it "
+        for closed, reason in sorted(refused.items()):
+            if not any(closed != other and closed.is_relative_to(other) for other in refused):
+                unreadable.append(f"{closed}: cannot read this folder ({reason}); make it "
                                   "readable for this user (chmod u+rx) or leave it out with --exclude")
     return list(found.values())
 
