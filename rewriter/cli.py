@@ -96,7 +96,7 @@ class _Outcome:
     path: str
     status: str  # "changed" | "unchanged" | "failed"
     error: str | None = None
-    wrapped: list[tuple[int, int, str, str, str | None]] = field(default_factory=list)
+    wrapped: list[tuple[int, int, str, str, str | None, str | None]] = field(default_factory=list)
     skipped: list[tuple[int, int, str, str, str, bool]] = field(default_factory=list)
     chosen: list[str] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
@@ -175,7 +175,10 @@ def _process(job: _Job) -> _Outcome:
     out = _Outcome(
         job.path,
         "changed" if result.changed else "unchanged",
-        wrapped=[(s.line, s.column, s.function, s.block, s.warning) for s in result.wrapped],
+        wrapped=[
+            (s.line, s.column, s.function, s.block, s.warning, s.cache_flag_on)
+            for s in result.wrapped
+        ],
         skipped=[
             (s.line, s.column, s.function, s.block, s.reason, s.unprotected)
             for s in result.skipped
@@ -279,13 +282,20 @@ def _report(args: argparse.Namespace, outcomes: Iterable[_Outcome], selection: s
         for c in o.chosen:
             if args.verbose:
                 _say(args.quiet, f"  {o.path}: chose {c}")
-        for line, col, func, block, warning in o.wrapped:
+        for line, col, func, block, warning, flag_on in o.wrapped:
             if args.verbose:
                 _say(args.quiet, f"{o.path}:{line}:{col}: wrapped {block}(...) in {func}")
             if warning:
                 warnings += 1
                 if args.verbose:
                     _say(args.quiet, f"{o.path}:{line}:{col}: warning: {warning}")
+            if flag_on and not args.undo:
+                # Said without -v: with the default left on, the rewrite does nothing at all.
+                _say(args.quiet, f"{o.path}:{line}:{col}: note: {block}(...) in {func} is "
+                     f"checkpointed only while use_cache is off, and it is on by default "
+                     f"({flag_on}): training must pass use_cache=False (annot's "
+                     "prepare_for_training does), or the guard skips recompute and nothing "
+                     "here is checkpointed")
         for line, col, func, block, reason, unprotected in o.skipped:
             reasons[reason] += 1
             # Never silent: a file that gets nothing wrapped says why, loop by loop.
@@ -311,7 +321,7 @@ def _report(args: argparse.Namespace, outcomes: Iterable[_Outcome], selection: s
         args.blocks is not None
         and not args.undo
         and not any(
-            o.wrapped or any(not s[3].startswith("loop over") for s in o.skipped)
+            o.wrapped or any(not s[3].startswith("loop over") or s[5] for s in o.skipped)
             for o in outcomes
         )
     ):
