@@ -7,6 +7,13 @@ or, with neither, the trunk (a ModuleList / ModuleDict iterated in a method, or 
 Sequential built from a repeated block and called whole; never a stack of torch.nn
 layers). In trunk mode the outermost trunk wins: a loop inside a class whose instances
 are themselves checkpointed is reported, not wrapped a second time.
+
+Also reported, not wrapped (docs/design.md, pitfall 31): a call of a class that
+checkpoints inside itself (`checkpointers`), an MoE expert dispatch in trunk mode
+(`dispatch`), and a loop that reaches a block container only through local names or
+unpacking (x-transformers' ``zip(*layer_variables)``), which cannot be followed to the
+call. A wrapped call passing a ``use_cache`` that is on by default carries why
+(`cache_flags`), so the command line can say that training must turn it off.
 """
 
 from __future__ import annotations
