@@ -16,6 +16,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -204,8 +205,19 @@ def _process(job: _Job) -> _Outcome:
     return out
 
 
+class _WorkerDied(Exception):
+    """A worker process ended mid-run (killed, out of memory, a crash in native code):
+    ``done`` holds the results that came back before, in order."""
+
+    def __init__(self, done: list, cause: BaseException) -> None:
+        super().__init__(str(cause) or type(cause).__name__)
+        self.done = done
+
+
 def _run_all(func, items: Sequence, jobs: int, progress: bool) -> list:
-    """``map(func, items)`` over ``jobs`` processes, in order, with an optional progress bar."""
+    """``map(func, items)`` over ``jobs`` processes, in order, with an optional progress bar.
+
+    Raises `_WorkerDied` when a worker ends without an answer (what came back is kept)."""
     if jobs <= 1 or len(items) <= 1:
         results = []
         for i, item in enumerate(items):
@@ -215,12 +227,24 @@ def _run_all(func, items: Sequence, jobs: int, progress: bool) -> list:
         return results
     chunk = max(1, min(16, len(items) // (jobs * 4)))
     results = []
-    with ProcessPoolExecutor(max_workers=jobs, initializer=_die_with_parent) as pool:
-        for i, r in enumerate(pool.map(func, items, chunksize=chunk)):
-            results.append(r)
-            if progress:
-                _progress(i + 1, len(items))
+    try:
+        with ProcessPoolExecutor(max_workers=jobs, initializer=_die_with_parent) as pool:
+            for i, r in enumerate(pool.map(func, items, chunksize=chunk)):
+                results.append(r)
+                if progress:
+                    _progress(i + 1, len(items))
+    except BrokenProcessPool as e:
+        raise _WorkerDied(results, e) from None
     return results
+
+
+def _worker_died(prog: str, error: _WorkerDied, items: Sequence[str]) -> None:
+    """One line, whichever file and whichever pass (issue #33: not a traceback)."""
+    left = items[len(error.done):]
+    first = f" (the first: {left[0]})" if left else ""
+    print(f"{prog}: error: a worker process ended without an answer ({error}); {len(left)} "
+          f"file(s) not processed{first}: run again with -j 1 to see which file ends it",
+          file=sys.stderr)
 
 
 def _progress(done: int, total: int) -> None:
@@ -366,7 +390,11 @@ def main(argv: list[str] | None = None, prog: str = "annot rewrite") -> int:
         print(f"{prog}: error: {message}", file=sys.stderr)
     args.jobs = min(args.jobs, max(1, len(files)))
     progress = sys.stderr.isatty() and len(files) > 20 and not args.quiet
-    blocks, selection = (None, "") if args.undo else _selection(args, files, progress)
+    try:
+        blocks, selection = (None, "") if args.undo else _selection(args, files, progress)
+    except _WorkerDied as e:
+        _worker_died(prog, e, [str(f) for f in files])
+        return 2
     jobs = [
         _Job(
             str(f),
@@ -379,5 +407,11 @@ def main(argv: list[str] | None = None, prog: str = "annot rewrite") -> int:
         )
         for f in files
     ]
-    status = _report(args, _run_all(_process, jobs, args.jobs, progress), selection)
+    try:
+        outcomes = _run_all(_process, jobs, args.jobs, progress)
+    except _WorkerDied as e:
+        _worker_died(prog, e, [str(f) for f in files])
+        _report(args, e.done, selection)  # what was done is still said
+        return 2
+    status = _report(args, outcomes, selection)
     return 2 if unreadable else status

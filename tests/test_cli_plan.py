@@ -107,6 +107,7 @@ def _write(tmp_path: Path, text: str) -> Path:
         (lambda t: ["plan", GPT, "--kwargs", "[1]"], "--kwargs: expected a JSON object"),
         (lambda t: ["plan", GPT, "--kwargs", '{"n_head": 5}'], "GPT(**{'n_head': 5}) failed"),
         (lambda t: ["plan", GPT, "--config", f"{t}/none.json"], "--config"),
+        (lambda t: ["plan", GPT, "--config", str(t)], "is a folder; give the JSON or YAML file in it"),
         (lambda t: ["plan", str(_write(t, SYNTAX_ERROR)) + ":M"], "m.py:1:7: syntax error"),
         (lambda t: ["plan", str(_write(t, BAD_IMPORT)) + ":M"], "importing it failed"),
         (lambda t: ["plan", str(_write(t, EXITS_AT_IMPORT)) + ":M"],

@@ -37,7 +37,9 @@ def read_options(kwargs: str | None, config: str | None) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if config is not None:
         path = Path(config)
-        if not _probe(path, f"--config {config}").is_file():
+        if _probe(path, f"--config {config}").is_dir():
+            raise TargetError(f"--config {config}: is a folder; give the JSON or YAML file in it")
+        if not path.is_file():
             raise TargetError(f"--config {config}: no such file")
         try:
             text = path.read_text(encoding="utf-8")

@@ -204,3 +204,28 @@ def test_an_unreadable_file_is_one_line_naming_the_fix(tmp_path, monkeypatch, ca
         "for this user or leave it out with --exclude"
     ]
     assert "checkpoint" in (tmp_path / "model.py").read_text()
+
+
+def _dies_on_secret(job):
+    """A worker that ends without an answer on one file, as a crash in native code does."""
+    from annot.rewriter import cli
+
+    if job.path.endswith("secret.py"):
+        os._exit(1)
+    return cli._process_original(job)
+
+
+def test_a_worker_that_dies_is_one_line(tmp_path, monkeypatch, capsys):
+    """A broken process pool was a traceback; now one line naming what was not processed."""
+    from annot.rewriter import cli
+
+    (tmp_path / "a.py").write_text(MODEL)
+    (tmp_path / "secret.py").write_text(MODEL)
+    monkeypatch.setattr(cli, "_process_original", cli._process, raising=False)
+    monkeypatch.setattr(cli, "_process", _dies_on_secret)  # forked workers inherit it
+    assert _rewrite("-j", "2", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    [line] = [line for line in err.splitlines() if "worker" in line]
+    assert line.startswith("annot rewrite: error: a worker process ended without an answer (")
+    assert line.endswith(": run again with -j 1 to see which file ends it")
