@@ -15,7 +15,7 @@ import libcst as cst
 from annot.rewriter.containers import Container
 from annot.rewriter.imports import dotted_name
 
-__all__ = ["expert_dispatch"]
+__all__ = ["expert_dispatch", "holds_experts"]
 
 # Tensor methods that scatter per-expert outputs back into the token order.
 _SCATTERS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "index_copy", "index_copy_"}
@@ -26,14 +26,22 @@ def expert_dispatch(
 ) -> str | None:
     """Why ``call`` (of an element of ``container``, in ``statement``) is an expert
     dispatch, for the report; None when nothing says it is."""
+    named = holds_experts(container)
+    if named is not None:
+        return named
+    if _runs_on_routed_tokens(call) and _scatters_back(call, statement):
+        return "each element runs on the tokens routed to it and its output is scattered back"
+    return None
+
+
+def holds_experts(container: Container) -> str | None:
+    """Why ``container``'s name or classes say it holds MoE experts, or None."""
     attribute = container.path.split("[", 1)[0].rpartition(".")[2]
     if "expert" in attribute.lower():
         return f"`self.{container.path}` holds MoE experts"
     expert_classes = [name for name in container.classes if "expert" in name.lower()]
     if expert_classes:
         return f"its elements are MoE experts ({', '.join(expert_classes)})"
-    if _runs_on_routed_tokens(call) and _scatters_back(call, statement):
-        return "each element runs on the tokens routed to it and its output is scattered back"
     return None
 
 

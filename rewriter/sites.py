@@ -27,7 +27,7 @@ import libcst as cst
 from annot.rewriter.cache_flags import flag_on_by_default
 from annot.rewriter.checkpointers import checkpoint_function, self_checkpointing
 from annot.rewriter.containers import Container, child_nodes, first_param, read_containers
-from annot.rewriter.dispatch import expert_dispatch
+from annot.rewriter.dispatch import expert_dispatch, holds_experts
 from annot.rewriter.imports import ImportTable, dotted_name
 
 __all__ = ["Container", "Found", "Selector", "Skipped", "is_annot_guard", "scan_module"]
@@ -376,7 +376,7 @@ class _MethodScan:
                     break
             else:
                 reached = self.containers_reached(node.iter)
-                if reached and not self.dry and _calls_its_target(node):
+                if reached and not self.dry and self.calls_what_it_binds(node, reached):
                     self.indirect[id(node)] = (node, reached)
         elif isinstance(node, cst.Call):
             self.visit_call(node)
@@ -441,6 +441,22 @@ class _MethodScan:
                             values.setdefault(t.target.value, []).append(n.value)
             self._locals = values
         return self._locals
+
+    def calls_what_it_binds(self, loop: cst.For, reached: list[Container]) -> bool:
+        """The body calls a name the loop binds (``block(x)``), or a name assigned in the
+        body from one or from an element of ``reached`` (``layer = self.layers[i]``)."""
+        paths = {f"{self.self_name}.{c.path}" for c in reached}
+        bound = {n.value for n in _descendants(loop.target) if isinstance(n, cst.Name)}
+        for n in _descendants(loop.body):
+            if isinstance(n, cst.Assign) and any(
+                (isinstance(m, cst.Name) and m.value in bound)
+                or (isinstance(m, cst.Subscript) and dotted_name(m.value) in paths)
+                for m in _descendants(n.value)
+            ):
+                bound |= {t.target.value for t in n.targets if isinstance(t.target, cst.Name)}
+            elif isinstance(n, cst.Call) and isinstance(n.func, cst.Name) and n.func.value in bound:
+                return True
+        return False
 
     def reaches_blocks(self, c: Container) -> bool:
         """``c`` holds blocks, or each of its elements holds one at some position (a
@@ -664,8 +680,14 @@ class _MethodScan:
             names = ", ".join(f"{self.self_name}.{c.path}" for c in reached)
             through = f"iterates {names} through `{self.code(loop.iter)}`"
             inside = [self.checkpointed_inside(c) for c in reached]
+            experts = [e for c in reached if (e := holds_experts(c)) is not None]
             if all(inside):
                 reason = f"{through}; {inside[0]}"
+            elif experts and self.selector.classes is None:
+                reason = (
+                    f"{through}: an MoE expert dispatch ({experts[0]}): checkpoint the layer "
+                    "holding the MoE, not each expert"
+                )
             else:
                 reason = (
                     f"{through}, which annot cannot follow to the block each step calls: "
@@ -686,15 +708,6 @@ class _MethodScan:
             if f.retuple_name is not None and f.retuple_name not in self.int_indexed:
                 f.retuple_name = None
         return self.result
-
-
-def _calls_its_target(loop: cst.For) -> bool:
-    """The loop's body calls a name its target binds (``block(x)``): a layer loop."""
-    bound = {n.value for n in _descendants(loop.target) if isinstance(n, cst.Name)}
-    return any(
-        isinstance(n, cst.Call) and isinstance(n.func, cst.Name) and n.func.value in bound
-        for n in _descendants(loop.body)
-    )
 
 
 def _pure(node: cst.BaseExpression) -> bool:

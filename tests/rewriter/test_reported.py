@@ -218,3 +218,40 @@ def test_the_cli_says_training_must_pass_use_cache_false(
         "pass use_cache=False (annot's prepare_for_training does), or the guard skips recompute "
         "and nothing here is checkpointed"
     ]
+
+
+def _indexed_through_a_local(attribute: str) -> str:
+    return f"""\
+        from torch import nn
+
+        class Block(nn.Module):
+            def forward(self, x):
+                return x
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.{attribute} = nn.ModuleList([Block() for _ in range(2)])
+
+            def forward(self, x):
+                for i in range(len(self.{attribute})):
+                    layer = self.{attribute}[i]
+                    x = layer(x)
+                return x
+        """
+
+
+def test_a_loop_calling_an_element_taken_into_a_local_is_reported(rewrite, target) -> None:
+    result = rewrite(_indexed_through_a_local("layers"), target)
+    assert not result.wrapped
+    [skip] = result.skipped
+    assert skip.reason.startswith("iterates self.layers through `range(len(self.layers))`, which annot cannot follow")
+
+
+def test_an_expert_loop_through_a_local_is_reported_as_a_dispatch(rewrite, target) -> None:
+    result = rewrite(_indexed_through_a_local("experts"), target)
+    [skip] = result.skipped
+    assert skip.reason == (
+        "iterates self.experts through `range(len(self.experts))`: an MoE expert dispatch "
+        "(`self.experts` holds MoE experts): checkpoint the layer holding the MoE, not each expert"
+    )
