@@ -198,7 +198,7 @@ class _MethodScan:
         self.loops: dict[int, tuple[cst.For, Container]] = {}
         self.loops_reported: set[int] = set()  # loops with a wrapped or reported call
         # loops that reach a block container only through local names or unpacking
-        # (x-transformers' `zip(*layer_variables)`): (loop, the containers, iter code)
+        # (x-transformers' `zip(*layer_variables)`): (loop, the containers it reaches)
         self.indirect: dict[int, tuple[cst.For, list[Container]]] = {}
         self._locals: dict[str, list[cst.BaseExpression]] | None = None
         self._ckpt_cache: dict[int, bool] = {}
