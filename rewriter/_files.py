@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import io
 import os
+import stat
 import tempfile
 import tokenize
 from collections.abc import Iterable
@@ -31,32 +32,53 @@ def find_python_files(paths: Iterable[str], exclude: Iterable[str] = (),
     """Files named, plus ``*.py`` under directories named (sorted; a file reached twice,
     e.g. through a symbolic link, once).
 
-    A folder that cannot be listed is appended to ``unreadable`` (a message naming it)
-    instead of being skipped in silence. Raises FileNotFoundError for a path that does
-    not exist.
+    A folder that cannot be listed or looked into is appended to ``unreadable`` once
+    (one line naming it and the fix) instead of being skipped in silence or ending the
+    run with a traceback; its files are left out. Raises FileNotFoundError for a path
+    that does not exist.
     """
     patterns = list(exclude)
     found: dict[Path, Path] = {}  # the real file -> the first name it was found under
+    refused: dict[Path, str | None] = {}  # folder -> why it cannot be read
+
+    def note(folder: object, reason: str | None) -> None:
+        refused.setdefault(Path(str(folder)), reason)
+
+    def kind(path: Path) -> str | None:
+        """"dir", "file" or None (missing); a refusal is noted against the folder holding it."""
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            # stat needs search permission on the folders above, never on the file itself.
+            note(path.parent if path.parent != path else path, error.strerror)
+            return "refused"
+        return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else None
+
     for name in paths:
         path = Path(name)
-        if path.is_dir():
+        what = kind(path)
+        if what == "dir":
             files: list[Path] = []
-
-            def note(error: OSError) -> None:
-                if unreadable is not None:
-                    unreadable.append(f"{error.filename}: cannot read this folder ({error.strerror})")
-
-            for folder, dirs, names in os.walk(path, onerror=note):
+            for folder, dirs, names in os.walk(path, onerror=lambda e: note(e.filename, e.strerror)):
                 dirs.sort()
                 files += [Path(folder, n) for n in names if n.endswith(".py")]
             for file in sorted(files):
-                if file.is_file() and not _excluded(file, path, patterns):
+                if kind(file) == "file" and not _excluded(file, path, patterns):
                     found.setdefault(file.resolve(), file)
-        elif path.is_file():
+        elif what == "file":
             if not _excluded(path, path.parent, patterns):
                 found.setdefault(path.resolve(), path)
-        else:
+        elif what is None:
             raise FileNotFoundError(f"{name}: no such file or directory")
+    if unreadable is not None:
+        # One line per refused folder, however many of its files or sub-folders failed,
+        # and none for a folder inside another refused one (issue #33).
+        for closed, reason in sorted(refused.items()):
+            if not any(closed != other and closed.is_relative_to(other) for other in refused):
+                unreadable.append(f"{closed}: cannot read this folder ({reason}); make it "
+                                  "readable for this user (chmod u+rx) or leave it out with --exclude")
     return list(found.values())
 
 

@@ -16,8 +16,10 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 __all__ = ["main"]
 
@@ -32,8 +34,15 @@ checkpoint calls per forward (for "number_checkpoints"):
 {calls}"""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line naming the problem and where help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=prog,
         description="Wrap the block calls in forward() in activation checkpointing, in place.",
         epilog="Exit codes: 0 done or nothing to do, 1 --check/--diff found changes, "
@@ -88,7 +97,7 @@ class _Outcome:
     path: str
     status: str  # "changed" | "unchanged" | "failed"
     error: str | None = None
-    wrapped: list[tuple[int, int, str, str, str | None]] = field(default_factory=list)
+    wrapped: list[tuple[int, int, str, str, str | None, str | None]] = field(default_factory=list)
     skipped: list[tuple[int, int, str, str, str, bool]] = field(default_factory=list)
     chosen: list[str] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
@@ -155,7 +164,10 @@ def _process(job: _Job) -> _Outcome:
         return _Outcome(
             job.path, "failed", f"{job.path}:{e.raw_line}:{e.raw_column + 1}: {e.message}"
         )
-    except (OSError, UnicodeDecodeError, SyntaxError, LookupError) as e:
+    except OSError as e:
+        return _Outcome(job.path, "failed", f"{job.path}:1:1: cannot read this file "
+                        f"({e.strerror or e}); make it readable for this user or leave it out with --exclude")
+    except (UnicodeDecodeError, SyntaxError, LookupError) as e:
         return _Outcome(job.path, "failed", f"{job.path}:1:1: {e}")
     except Exception as e:  # a bug of ours must not stop the other files
         return _Outcome(
@@ -164,7 +176,10 @@ def _process(job: _Job) -> _Outcome:
     out = _Outcome(
         job.path,
         "changed" if result.changed else "unchanged",
-        wrapped=[(s.line, s.column, s.function, s.block, s.warning) for s in result.wrapped],
+        wrapped=[
+            (s.line, s.column, s.function, s.block, s.warning, s.cache_flag_on)
+            for s in result.wrapped
+        ],
         skipped=[
             (s.line, s.column, s.function, s.block, s.reason, s.unprotected)
             for s in result.skipped
@@ -190,8 +205,19 @@ def _process(job: _Job) -> _Outcome:
     return out
 
 
+class _WorkerDied(Exception):
+    """A worker process ended mid-run (killed, out of memory, a crash in native code):
+    ``done`` holds the results that came back before, in order."""
+
+    def __init__(self, done: list, cause: BaseException) -> None:
+        super().__init__(str(cause) or type(cause).__name__)
+        self.done = done
+
+
 def _run_all(func, items: Sequence, jobs: int, progress: bool) -> list:
-    """``map(func, items)`` over ``jobs`` processes, in order, with an optional progress bar."""
+    """``map(func, items)`` over ``jobs`` processes, in order, with an optional progress bar.
+
+    Raises `_WorkerDied` when a worker ends without an answer (what came back is kept)."""
     if jobs <= 1 or len(items) <= 1:
         results = []
         for i, item in enumerate(items):
@@ -201,12 +227,24 @@ def _run_all(func, items: Sequence, jobs: int, progress: bool) -> list:
         return results
     chunk = max(1, min(16, len(items) // (jobs * 4)))
     results = []
-    with ProcessPoolExecutor(max_workers=jobs, initializer=_die_with_parent) as pool:
-        for i, r in enumerate(pool.map(func, items, chunksize=chunk)):
-            results.append(r)
-            if progress:
-                _progress(i + 1, len(items))
+    try:
+        with ProcessPoolExecutor(max_workers=jobs, initializer=_die_with_parent) as pool:
+            for i, r in enumerate(pool.map(func, items, chunksize=chunk)):
+                results.append(r)
+                if progress:
+                    _progress(i + 1, len(items))
+    except BrokenProcessPool as e:
+        raise _WorkerDied(results, e) from None
     return results
+
+
+def _worker_died(prog: str, error: _WorkerDied, items: Sequence[str]) -> None:
+    """One line, whichever file and whichever pass (issue #33: not a traceback)."""
+    left = items[len(error.done):]
+    first = f" (the first: {left[0]})" if left else ""
+    print(f"{prog}: error: a worker process ended without an answer ({error}); {len(left)} "
+          f"file(s) not processed{first}: run again with -j 1 to see which file ends it",
+          file=sys.stderr)
 
 
 def _progress(done: int, total: int) -> None:
@@ -268,13 +306,20 @@ def _report(args: argparse.Namespace, outcomes: Iterable[_Outcome], selection: s
         for c in o.chosen:
             if args.verbose:
                 _say(args.quiet, f"  {o.path}: chose {c}")
-        for line, col, func, block, warning in o.wrapped:
+        for line, col, func, block, warning, flag_on in o.wrapped:
             if args.verbose:
                 _say(args.quiet, f"{o.path}:{line}:{col}: wrapped {block}(...) in {func}")
             if warning:
                 warnings += 1
                 if args.verbose:
                     _say(args.quiet, f"{o.path}:{line}:{col}: warning: {warning}")
+            if flag_on and not args.undo:
+                # Said without -v: with the default left on, the rewrite does nothing at all.
+                _say(args.quiet, f"{o.path}:{line}:{col}: note: {block}(...) in {func} is "
+                     f"checkpointed only while use_cache is off, and it is on by default "
+                     f"({flag_on}): training must pass use_cache=False (annot's "
+                     "prepare_for_training does), or the guard skips recompute and nothing "
+                     "here is checkpointed")
         for line, col, func, block, reason, unprotected in o.skipped:
             reasons[reason] += 1
             # Never silent: a file that gets nothing wrapped says why, loop by loop.
@@ -300,7 +345,7 @@ def _report(args: argparse.Namespace, outcomes: Iterable[_Outcome], selection: s
         args.blocks is not None
         and not args.undo
         and not any(
-            o.wrapped or any(not s[3].startswith("loop over") for s in o.skipped)
+            o.wrapped or any(not s[3].startswith("loop over") or s[5] for s in o.skipped)
             for o in outcomes
         )
     ):
@@ -329,8 +374,7 @@ def main(argv: list[str] | None = None, prog: str = "annot rewrite") -> int:
     except SystemExit as e:  # --help (0) or a usage error (2)
         return int(e.code or 0)
     if args.jobs < 1:
-        parser.print_usage(sys.stderr)
-        print(f"{prog}: error: -j must be at least 1", file=sys.stderr)
+        print(f"{prog}: error: -j must be at least 1, got {args.jobs}", file=sys.stderr)
         return 2
     if args.quiet and args.verbose:
         args.verbose = False
@@ -346,7 +390,11 @@ def main(argv: list[str] | None = None, prog: str = "annot rewrite") -> int:
         print(f"{prog}: error: {message}", file=sys.stderr)
     args.jobs = min(args.jobs, max(1, len(files)))
     progress = sys.stderr.isatty() and len(files) > 20 and not args.quiet
-    blocks, selection = (None, "") if args.undo else _selection(args, files, progress)
+    try:
+        blocks, selection = (None, "") if args.undo else _selection(args, files, progress)
+    except _WorkerDied as e:
+        _worker_died(prog, e, [str(f) for f in files])
+        return 2
     jobs = [
         _Job(
             str(f),
@@ -359,5 +407,11 @@ def main(argv: list[str] | None = None, prog: str = "annot rewrite") -> int:
         )
         for f in files
     ]
-    status = _report(args, _run_all(_process, jobs, args.jobs, progress), selection)
+    try:
+        outcomes = _run_all(_process, jobs, args.jobs, progress)
+    except _WorkerDied as e:
+        _worker_died(prog, e, [str(f) for f in files])
+        _report(args, e.done, selection)  # what was done is still said
+        return 2
+    status = _report(args, outcomes, selection)
     return 2 if unreadable else status

@@ -86,6 +86,9 @@ class Site:
     container: str
     shape: str
     warning: str | None = None
+    #: the guard tests a ``use_cache`` flag that is on unless the caller turns it off,
+    #: and why (then a training run keeping the default checkpoints nothing here)
+    cache_flag_on: str | None = None
 
 
 @dataclass(frozen=True)
@@ -524,6 +527,7 @@ def rewrite_module(
                 "self." + f.container.path,
                 f.shape,
                 f.warning,
+                f.cache_flag_on,
             )
             for f in found
         ),

@@ -128,6 +128,9 @@ class _Reader:
         self.containers: dict[str, Container] = {}
         self.self_name = "self"
         self.locals: dict[str, _Elements] = {}
+        # containers built empty and not filled yet (`self.stages = nn.Sequential()` before
+        # `self.stages = nn.Sequential(*stages)`, timm): a later build replaces them whole
+        self.placeholders: set[str] = set()
 
     def _path(self, node: cst.BaseExpression) -> str | None:
         name = dotted_name(node)
@@ -198,6 +201,11 @@ class _Reader:
             ):
                 self._set(Container(path, "sequential", ()))
                 return
+            if not positional:
+                if path not in self.containers:
+                    self._set(Container(path, _LISTS[kind], ()))
+                    self.placeholders.add(path)
+                return
             e = self._elements(positional)
             self._set(
                 Container(
@@ -237,6 +245,9 @@ class _Reader:
         """Record ``c``; a second assignment of one path (``if``/``else`` branches building
         the same stack two ways) merges with the first."""
         old = self.containers.get(c.path)
+        if c.path in self.placeholders:
+            self.placeholders.discard(c.path)
+            old = None
         if old is not None and old.kind == c.kind and c.kind != "module":
             c = Container(
                 c.path,
@@ -260,6 +271,7 @@ class _Reader:
         merged = tuple(dict.fromkeys(old.classes + e.classes)) if known else ()
         items = e.items if fresh or old.items == e.items else ()
         builtin = old.builtin or e.builtin
+        self.placeholders.discard(path)
         self.containers[path] = Container(path, old.kind, merged, True, old.count, items, builtin)
 
     def local(self, name: str, value: cst.BaseExpression | None, *, append: bool = False) -> None:

@@ -7,6 +7,13 @@ or, with neither, the trunk (a ModuleList / ModuleDict iterated in a method, or 
 Sequential built from a repeated block and called whole; never a stack of torch.nn
 layers). In trunk mode the outermost trunk wins: a loop inside a class whose instances
 are themselves checkpointed is reported, not wrapped a second time.
+
+Also reported, not wrapped (docs/design.md, pitfall 31): a call of a class that
+checkpoints inside itself (`checkpointers`), an MoE expert dispatch in trunk mode
+(`dispatch`), and a loop that reaches a block container only through local names or
+unpacking (x-transformers' ``zip(*layer_variables)``), which cannot be followed to the
+call. A wrapped call passing a ``use_cache`` that is on by default carries why
+(`cache_flags`), so the command line can say that training must turn it off.
 """
 
 from __future__ import annotations
@@ -17,23 +24,16 @@ from typing import TypeGuard
 
 import libcst as cst
 
+from annot.rewriter.cache_flags import flag_on_by_default
+from annot.rewriter.checkpointers import checkpoint_function, self_checkpointing
 from annot.rewriter.containers import Container, child_nodes, first_param, read_containers
+from annot.rewriter.dispatch import expert_dispatch, holds_experts
 from annot.rewriter.imports import ImportTable, dotted_name
 
 __all__ = ["Container", "Found", "Selector", "Skipped", "is_annot_guard", "scan_module"]
 
 GUARD_MARKER = "# annot: checkpoint"
 
-_KNOWN_CHECKPOINTS = {
-    "torch.utils.checkpoint.checkpoint",
-    "torch.utils.checkpoint.checkpoint_sequential",
-    "deepspeed.checkpointing.checkpoint",
-    "deepspeed.checkpointing.non_reentrant_checkpoint",
-    "deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint",
-    "deepspeed.runtime.activation_checkpointing.checkpointing.non_reentrant_checkpoint",
-}
-# timm's helper lives in a private module that moved between releases; match its name.
-_KNOWN_CHECKPOINT_TAILS = {"checkpoint_seq", "checkpoint_sequential"}
 # Keyword arguments whose state a recomputation in backward would update a second time.
 _REPLAYED_STATE = {
     "use_cache",
@@ -103,6 +103,9 @@ class Found:
     times: str = "1"
     #: the class whose method makes the call
     owner: str = ""
+    #: why the cache flag the guard tests is on unless the caller turns it off (the guard
+    #: then skips recomputation in a training run that keeps the default)
+    cache_flag_on: str | None = None
 
 
 @dataclass(frozen=True)
@@ -172,8 +175,11 @@ class _MethodScan:
         target: str,
         functional: bool,
         root_path: tuple[cst.CSTNode, ...],
+        checkpointers: dict[str, str] | None = None,
     ) -> None:
         self.module = module
+        #: class name -> how that class checkpoints inside itself (`checkpointers.py`)
+        self.checkpointers = checkpointers or {}
         self.table = table
         self.containers = containers
         self.selector = selector
@@ -191,6 +197,10 @@ class _MethodScan:
         # every loop over a module container, by id: (loop, the container it iterates)
         self.loops: dict[int, tuple[cst.For, Container]] = {}
         self.loops_reported: set[int] = set()  # loops with a wrapped or reported call
+        # loops that reach a block container only through local names or unpacking
+        # (x-transformers' `zip(*layer_variables)`): (loop, the containers it reaches)
+        self.indirect: dict[int, tuple[cst.For, list[Container]]] = {}
+        self._locals: dict[str, list[cst.BaseExpression]] | None = None
         self._ckpt_cache: dict[int, bool] = {}
         self.dry = False  # inside code annot already wrapped: only note the containers
 
@@ -291,17 +301,7 @@ class _MethodScan:
         return None, -1
 
     def known_checkpoint(self, func: cst.BaseExpression) -> str | None:
-        if isinstance(func, cst.Attribute) and func.attr.value == "_gradient_checkpointing_func":
-            return "transformers' _gradient_checkpointing_func"
-        qualified = self.table.resolve(func)
-        if qualified is None:
-            return None
-        if (
-            qualified in _KNOWN_CHECKPOINTS
-            or qualified.rpartition(".")[2] in _KNOWN_CHECKPOINT_TAILS
-        ):
-            return qualified
-        return None
+        return checkpoint_function(self.table, func)
 
     def contains_checkpoint(self, node: cst.CSTNode | None) -> bool:
         if node is None:
@@ -374,6 +374,10 @@ class _MethodScan:
                 if c is not None:
                     self.loops[id(node)] = (node, c)
                     break
+            else:
+                reached = self.containers_reached(node.iter)
+                if reached and not self.dry and self.calls_what_it_binds(node, reached):
+                    self.indirect[id(node)] = (node, reached)
         elif isinstance(node, cst.Call):
             self.visit_call(node)
         return True
@@ -425,6 +429,58 @@ class _MethodScan:
             self.result.rewritten.append(c)
             return
         self.site(call, c, shape)
+
+    def local_values(self) -> dict[str, list[cst.BaseExpression]]:
+        """Every value assigned to each plain local name in the method."""
+        if self._locals is None:
+            values: dict[str, list[cst.BaseExpression]] = {}
+            for n in _descendants(self.function):
+                if isinstance(n, cst.Assign):
+                    for t in n.targets:
+                        if isinstance(t.target, cst.Name):
+                            values.setdefault(t.target.value, []).append(n.value)
+            self._locals = values
+        return self._locals
+
+    def calls_what_it_binds(self, loop: cst.For, reached: list[Container]) -> bool:
+        """The body calls a name the loop binds (``block(x)``), or a name assigned in the
+        body from one or from an element of ``reached`` (``layer = self.layers[i]``)."""
+        paths = {f"{self.self_name}.{c.path}" for c in reached}
+        bound = {n.value for n in _descendants(loop.target) if isinstance(n, cst.Name)}
+        for n in _descendants(loop.body):
+            if isinstance(n, cst.Assign) and any(
+                (isinstance(m, cst.Name) and m.value in bound)
+                or (isinstance(m, cst.Subscript) and dotted_name(m.value) in paths)
+                for m in _descendants(n.value)
+            ):
+                bound |= {t.target.value for t in n.targets if isinstance(t.target, cst.Name)}
+            elif isinstance(n, cst.Call) and isinstance(n.func, cst.Name) and n.func.value in bound:
+                return True
+        return False
+
+    def reaches_blocks(self, c: Container) -> bool:
+        """``c`` holds blocks, or each of its elements holds one at some position (a
+        ModuleList of ``ModuleList([norm, block])``, unpacked in the loop)."""
+        return self.selector.holds_blocks(c) or any(
+            self.selector.holds_blocks(c.item(i)) for i in range(len(c.items))
+        )
+
+    def containers_reached(self, expr: cst.BaseExpression) -> list[Container]:
+        """Block containers ``expr`` reads, directly or through local names assigned from
+        them (``layer_variables = (..., self.layers, ...)``)."""
+        found: dict[str, Container] = {}
+        seen: set[str] = set()
+        todo: list[cst.CSTNode] = [expr]
+        while todo:
+            for n in _descendants(todo.pop()):
+                if isinstance(n, cst.Attribute):
+                    c = self.container_of(n)
+                    if c is not None and c.kind != "module" and self.reaches_blocks(c):
+                        found.setdefault(c.path, c)
+                elif isinstance(n, cst.Name) and n.value not in seen:
+                    seen.add(n.value)
+                    todo.extend(self.local_values().get(n.value, ()))
+        return list(found.values())
 
     def loop_times(self, loop: cst.For) -> str:
         """How many times ``loop`` runs, as code."""
@@ -527,6 +583,18 @@ class _MethodScan:
                 "shares its line with other statements (`;`); not wrapped",
                 unprotected=True,
             )
+        inside = self.checkpointed_inside(c)
+        if inside is not None:
+            return self.skip(call, call.func, inside)
+        if self.selector.classes is None:  # marks and --blocks choose experts deliberately
+            dispatch = expert_dispatch(call, stmt.body[0], c)
+            if dispatch is not None:
+                return self.skip(
+                    call,
+                    call.func,
+                    f"an MoE expert dispatch ({dispatch}): checkpoint the layer holding the MoE, "
+                    f"not each expert (--blocks {', '.join(c.classes) or 'NAME'} to wrap them anyway)",
+                )
         for depth in range(self.base, stmt_depth):
             node, child = stack[depth], stack[depth + 1]
             if isinstance(node, cst.If):
@@ -553,6 +621,10 @@ class _MethodScan:
             )
         for loop in self.enclosing_loops():
             self.loops_reported.add(id(loop))
+        flag_on = None
+        for arg in call.args:
+            if arg.keyword is not None and arg.keyword.value == "use_cache":
+                flag_on = flag_on_by_default(arg.value, self.function)
         found = Found(
             tuple(stack),
             stmt,
@@ -563,6 +635,7 @@ class _MethodScan:
             warning,
             conditions=conditions,
             times=self.times(c, shape),
+            cache_flag_on=flag_on,
         )
         if shape != "sequential":
             parent = stack[-2]
@@ -579,6 +652,16 @@ class _MethodScan:
                 found.retuple_name = small.targets[0].target.value
         self.result.found.append(found)
 
+    def checkpointed_inside(self, c: Container) -> str | None:
+        """Why calls of ``c``'s elements are already checkpointed inside, or None."""
+        if not c.classes or not all(name in self.checkpointers for name in c.classes):
+            return None
+        how = "; ".join(f"{name}: {self.checkpointers[name]}" for name in c.classes)
+        return (
+            f"already checkpointed inside its own class ({how}): wrapping the call too would "
+            "recompute it a second time inside the first; switch that checkpointing on instead"
+        )
+
     def finish(self) -> FunctionScan:
         """Say why each loop over a module container got nothing wrapped."""
         for key, (loop, c) in self.loops.items():
@@ -590,6 +673,36 @@ class _MethodScan:
                 reason = "the loop does not call its element"
             self.result.skipped.append(
                 Skipped(loop.target, self.qualname, f"loop over {container}", reason)
+            )
+        for key, (loop, reached) in self.indirect.items():
+            if key in self.loops_reported:
+                continue
+            names = ", ".join(f"{self.self_name}.{c.path}" for c in reached)
+            through = f"iterates {names} through `{self.code(loop.iter)}`"
+            inside = [self.checkpointed_inside(c) for c in reached]
+            experts = [e for c in reached if (e := holds_experts(c)) is not None]
+            if all(inside):
+                reason = f"{through}; {inside[0]}"
+            elif experts and self.selector.classes is None:
+                reason = (
+                    f"{through}: an MoE expert dispatch ({experts[0]}): checkpoint the layer "
+                    "holding the MoE, not each expert"
+                )
+            else:
+                reason = (
+                    f"{through}, which annot cannot follow to the block each step calls: "
+                    "neither wrapped nor proven safe to wrap; loop over the container itself "
+                    "(`for block in ...:`) to have it wrapped, or checkpoint at run time "
+                    "(annot.auto_wrap)"
+                )
+            self.result.skipped.append(
+                Skipped(
+                    loop.target,
+                    self.qualname,
+                    f"loop over {names}",
+                    reason,
+                    unprotected=self.selector.classes is not None and not all(inside),
+                )
             )
         for f in self.result.found:
             if f.retuple_name is not None and f.retuple_name not in self.int_indexed:
@@ -690,6 +803,12 @@ def scan_module(
     classes; classes without a module container are skipped."""
     scans: list[FunctionScan] = []
     holds: dict[str, set[str]] = {}
+    checkpointers = {
+        cls.name.value: how
+        for cls in _descendants(module)
+        if isinstance(cls, cst.ClassDef)
+        and (how := self_checkpointing(module, table, cls)) is not None
+    }
 
     def visit_class(cls: cst.ClassDef, path: tuple[cst.CSTNode, ...], prefix: str) -> None:
         body = cls.body
@@ -719,6 +838,7 @@ def scan_module(
                 target,
                 functional,
                 inner_path,
+                checkpointers,
             )
             scan.walk(method)
             result = scan.finish()

@@ -82,6 +82,11 @@ def test_plan_dtype_option(capsys):
 
 SYNTAX_ERROR = "def f(:\n"
 BAD_IMPORT = "import no_such_module_x\n"
+EXITS_AT_IMPORT = "import sys\nfrom torch import nn\n\nclass M(nn.Module):\n    pass\n\nsys.exit(0)\n"
+EXITS_IN_CONSTRUCTOR = (
+    "import sys\nfrom torch import nn\n\nclass M(nn.Module):\n"
+    "    def __init__(self):\n        sys.exit(0)\n"
+)
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -102,8 +107,13 @@ def _write(tmp_path: Path, text: str) -> Path:
         (lambda t: ["plan", GPT, "--kwargs", "[1]"], "--kwargs: expected a JSON object"),
         (lambda t: ["plan", GPT, "--kwargs", '{"n_head": 5}'], "GPT(**{'n_head': 5}) failed"),
         (lambda t: ["plan", GPT, "--config", f"{t}/none.json"], "--config"),
+        (lambda t: ["plan", GPT, "--config", str(t)], "is a folder; give the JSON or YAML file in it"),
         (lambda t: ["plan", str(_write(t, SYNTAX_ERROR)) + ":M"], "m.py:1:7: syntax error"),
         (lambda t: ["plan", str(_write(t, BAD_IMPORT)) + ":M"], "importing it failed"),
+        (lambda t: ["plan", str(_write(t, EXITS_AT_IMPORT)) + ":M"],
+         'importing it called sys.exit(0) before annot could read its classes: put the script '
+         'part under `if __name__ == "__main__":`'),
+        (lambda t: ["plan", str(_write(t, EXITS_IN_CONSTRUCTOR)) + ":M"], "M(**{}) called sys.exit(0)"),
         (lambda t: ["plan", "hf:no_such_arch"], "unknown transformers model type 'no_such_arch'"),
         (lambda t: ["plan", str(t)], "directory has no config.json"),
         (lambda t: ["plan", GPT, "--policy", "klass:X"], "unknown rule 'klass:X'"),
@@ -123,10 +133,55 @@ def test_invalid_plan_exits_1_with_the_reasons(capsys):
     assert "invalid plan: rule class(Nothing) selects no module for shard" in err
 
 
-def test_usage_error_exits_2(capsys):
+@pytest.mark.parametrize("argv", [["plan"], ["plan", GPT, "--gpus", "two"], ["plot"]])
+def test_usage_error_is_one_line_and_exits_2(capsys, argv):
     with pytest.raises(SystemExit) as info:
-        main(["plan"])
+        main(argv)
     assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ": error: " in err and "--help)" in err, err
+
+
+def test_a_script_exiting_at_import_sees_its_own_argv(capsys, tmp_path):
+    """A file that parses sys.argv at import reads its own name, not annot's arguments."""
+    script = ("import sys\nfrom torch import nn\nassert sys.argv[1:] == [], sys.argv\n\n"
+              "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+              "        self.lin = nn.Linear(2, 2)\n")
+    code, out, err = run(capsys, "plan", str(_write(tmp_path, script)) + ":M", "--policy", "class:Linear")
+    assert (code, err) == (0, "")
+    assert "lin" in out
+
+
+def _refuse_inside(monkeypatch, folder: Path) -> None:
+    """What a folder without read and search permission does to everyone but root (the
+    tests run as root, who may look into any folder): a stat of anything inside fails."""
+    import os
+
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if Path(os.fspath(path)).parent == folder:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+
+
+def test_an_unreadable_model_directory_is_one_line(capsys, tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    _refuse_inside(monkeypatch, tmp_path)
+    code, out, err = run(capsys, "plan", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert err == (f"annot plan: error: {tmp_path}: cannot read ({tmp_path}/config.json): Permission "
+                   "denied; make it readable for this user (e.g. chmod u+rx on the folder, u+r on the files)\n")
+
+
+def test_a_model_file_in_an_unreadable_folder_is_one_line(capsys, tmp_path, monkeypatch):
+    _write(tmp_path, "from torch import nn\n\nclass M(nn.Module):\n    pass\n")
+    _refuse_inside(monkeypatch, tmp_path)
+    code, out, err = run(capsys, "plan", f"{tmp_path}/m.py:M")
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and "cannot read" in err and "Permission denied" in err, err
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+import typing
 from collections.abc import Sequence
 
 __all__ = ["main"]
@@ -32,6 +33,14 @@ rules (--policy, --checkpoint, --offload):
 
 exit codes: 0 plan printed; 1 the plan is invalid (errors printed); 2 bad input.
 """
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line naming the problem and where help is
+    (argparse's default prints the whole usage block first; issue #33)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -106,7 +115,7 @@ def _rewrite_stub(sub: argparse._SubParsersAction) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="annot",
         description="Shard, checkpoint and offload PyTorch models too large for one GPU.",
     )
@@ -187,6 +196,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         return 1
     except (AnnotError, ValueError) as exc:
         print(f"annot plan: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file the checks above did not foresee: still one line
+        print(f"annot plan: error: {exc.filename or args.target}: {exc.strerror or exc}; check "
+              "that it exists and this user may read it", file=sys.stderr)
         return 2
     if not args.memory:
         print(plan.to_json() if args.json else plan.table(collapse=not args.full))

@@ -37,6 +37,8 @@ def read_options(kwargs: str | None, config: str | None) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if config is not None:
         path = Path(config)
+        if _probe(path, f"--config {config}").is_dir():
+            raise TargetError(f"--config {config}: is a folder; give the JSON or YAML file in it")
         if not path.is_file():
             raise TargetError(f"--config {config}: no such file")
         try:
@@ -75,16 +77,17 @@ def read_options(kwargs: str | None, config: str | None) -> dict[str, Any]:
 
 def build_target(target: str, options: dict[str, Any], *, dtype: str | None = None) -> nn.Module:
     """The model TARGET names, constructed under ``torch.device("meta")``."""
+    path = Path(target) if target.startswith("hf:") else _probe(Path(target), target)
     if target.startswith("hf:"):
         model = _build_hf(target[3:], options, directory=None)
-    elif ":" in target and not Path(target).is_dir():
+    elif ":" in target and not path.is_dir():
         file, _, class_name = target.rpartition(":")
         model = _build_from_file(Path(file), class_name, options)
-    elif Path(target).is_dir():
-        if not (Path(target) / "config.json").is_file():
+    elif path.is_dir():
+        if not _probe(path / "config.json", target).is_file():
             raise TargetError(f"{target}: directory has no config.json (not a HuggingFace model)")
-        model = _build_hf(None, options, directory=Path(target))
-    elif Path(target).is_file():
+        model = _build_hf(None, options, directory=path)
+    elif path.is_file():
         raise TargetError(f"{target}: name the class too, as {target}:ClassName")
     else:
         raise TargetError(
@@ -96,8 +99,31 @@ def build_target(target: str, options: dict[str, Any], *, dtype: str | None = No
     return model
 
 
+def _probe(path: Path, what: str) -> Path:
+    """``path``, once asking the file system about it has worked.
+
+    ``Path.is_dir``/``is_file`` answer False for a missing path but raise for one the
+    user may not look into (a folder without read or search permission): that becomes
+    one line naming ``what`` and the fix, never a traceback (issue #33).
+    """
+    try:
+        path.stat()
+    except FileNotFoundError:
+        pass  # the callers say "no such file" in their own words
+    except OSError as exc:
+        raise TargetError(_unreadable(what, exc)) from None
+    return path
+
+
+def _unreadable(what: str, exc: OSError) -> str:
+    reason = exc.strerror or type(exc).__name__
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != what else ""
+    return (f"{what}: cannot read{where}: {reason}; make it readable for this user "
+            "(e.g. chmod u+rx on the folder, u+r on the files)")
+
+
 def _build_from_file(file: Path, class_name: str, options: dict[str, Any]) -> nn.Module:
-    if not file.is_file():
+    if not _probe(file, str(file)).is_file():
         raise TargetError(f"{file}: no such file")
     if not class_name.isidentifier():
         raise TargetError(f"{file}:{class_name}: {class_name!r} is not a class name")
@@ -111,13 +137,16 @@ def _build_from_file(file: Path, class_name: str, options: dict[str, Any]) -> nn
     if not (isinstance(klass, type) and issubclass(klass, nn.Module)):
         raise TargetError(f"{file}:{class_name} is not an nn.Module class ({type(klass).__name__})")
     config_class = _config_parameter(klass, options)
+    call = f"{config_class.__name__}(**{options})" if config_class else f"**{options}"
     try:
         with torch.device("meta"):
             if config_class is not None:
                 return klass(config_class(**options))
             return klass(**options)
+    except SystemExit as exc:  # would end `annot plan` with the constructor's status, silently
+        raise TargetError(f"{class_name}({call}) called sys.exit({exc.code!r}): a model's "
+                          "constructor must return the model, not end the program") from None
     except Exception as exc:  # the user's constructor: report, don't trace back
-        call = f"{config_class.__name__}(**{options})" if config_class else f"**{options}"
         raise TargetError(f"{class_name}({call}) failed: {_one_line(exc)}") from None
 
 
@@ -143,7 +172,9 @@ def _import_file(file: Path):
         compile(source, str(file), "exec")
     except SyntaxError as exc:
         raise TargetError(f"{file}:{exc.lineno}:{exc.offset}: syntax error: {exc.msg}") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise TargetError(_unreadable(str(file), exc)) from None
+    except UnicodeDecodeError as exc:
         raise TargetError(f"{file}: cannot read: {_one_line(exc)}") from None
     # Name the module after the file so plans read "model.Block", unless that is taken.
     name = file.stem if file.stem.isidentifier() and file.stem not in sys.modules else (
@@ -154,12 +185,22 @@ def _import_file(file: Path):
     # The model file may import modules beside it (import layers); make them findable.
     sys.path.insert(0, str(file.resolve().parent))
     sys.modules[name] = module
+    # A script-like file parses sys.argv at import: let it see its own name, not annot's.
+    argv, sys.argv = sys.argv, [str(file)]
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:
+        # A file that runs its main at import and exits (0 too) would otherwise end
+        # `annot plan` with no plan and no word (issue #33).
+        del sys.modules[name]
+        raise TargetError(
+            f"{file}: importing it called sys.exit({exc.code!r}) before annot could read its "
+            "classes: put the script part under `if __name__ == \"__main__\":`") from None
     except Exception as exc:
         del sys.modules[name]
         raise TargetError(f"{file}: importing it failed: {_one_line(exc)}") from None
     finally:
+        sys.argv = argv
         sys.path.remove(str(file.resolve().parent))
     return module
 
@@ -182,6 +223,8 @@ def _build_hf(model_type: str | None, options: dict[str, Any], directory: Path |
             if model_type is None:  # build_target passes a model type or a directory
                 raise AssertionError("_build_hf needs a model type or a directory")
             config = transformers.AutoConfig.for_model(model_type, **options)
+    except PermissionError as exc:
+        raise TargetError(_unreadable(str(directory), exc)) from None
     except Exception as exc:  # noqa: BLE001 - transformers' config validation raises its own types
         what = f"hf:{model_type}" if directory is None else str(directory)
         raise TargetError(f"{what}: {_one_line(exc)}") from None

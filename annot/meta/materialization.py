@@ -71,7 +71,8 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
         )
     missing = [n for n in record.uninitialized() if n not in skip]
     if missing:
-        modules = sorted({record.module_of[n] or "(root)" for n in missing})
+        paths = sorted({record.module_of[n] for n in missing})
+        modules = [_module_named(model, path) for path in paths]
         raise DeferredInitError(
             f"no init path for {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}: "
             f"module(s) {', '.join(modules)} create parameters that nothing initializes. "
@@ -96,7 +97,8 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     record.pending = False
     leftover = [n for n, t in _targets(model, record).items() if local(t).is_meta]
     if leftover:
-        raise DeferredInitError(f"still on the meta device after materializing: {', '.join(leftover)}")
+        named = [f"{n} ({_module_named(model, record.module_of[n])})" for n in leftover]
+        raise DeferredInitError(f"still on the meta device after materializing: {', '.join(named)}")
     return model
 
 
@@ -126,6 +128,16 @@ def _owners(model: nn.Module, record: DeferredInit) -> Iterator[tuple[str, int, 
         yield name, ref, module, leaf
 
 
+def _module_named(model: nn.Module, path: str) -> str:
+    """``path (Class)`` for an error message: a module path alone (``1``, ``layers.3``)
+    rarely says which code to fix, its class does (issue #33)."""
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:  # the tree changed since construction: the path is all we know
+        return path or "(root)"
+    return f"{path or '(root)'} ({type(module).__name__})"
+
+
 def _targets(model: nn.Module, record: DeferredInit) -> dict[str, torch.Tensor]:
     out = {}
     for name, _, module, leaf in _owners(model, record):
@@ -134,7 +146,9 @@ def _targets(model: nn.Module, record: DeferredInit) -> dict[str, torch.Tensor]:
             tensor = module._buffers[leaf]
         if tensor is None:
             raise DeferredInitError(
-                f"{name} is None now, but was a tensor when the model was built under annot.meta_init()")
+                f"{name} is None now in module {_module_named(model, record.module_of[name])}, but "
+                "was a tensor when the model was built under annot.meta_init(): give it a tensor "
+                "again, or build the model without it")
         out[name] = tensor
     return out
 

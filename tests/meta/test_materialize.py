@@ -116,8 +116,32 @@ def test_a_module_without_init_path_is_an_error_naming_it():
         annot.materialize(model)
     message = str(info.value)
     assert "no init path for bad.weight" in message
-    assert "module(s) bad create parameters that nothing initializes" in message
+    assert "module(s) bad (NoInit) create parameters that nothing initializes" in message
     assert "reset_parameters()" in message
+
+
+def test_a_module_without_init_path_is_named_by_path_and_class():
+    """A numbered path (`1.weight` in a Sequential) says nothing of which code to fix:
+    the class does (issue #33)."""
+    with annot.meta_init():
+        model = nn.Sequential(nn.Linear(3, 3), NoInit())
+    with pytest.raises(annot.DeferredInitError) as info:
+        annot.materialize(model)
+    assert "module(s) 1 (NoInit) create parameters" in str(info.value)
+
+
+def test_a_recorded_buffer_set_to_none_names_its_module_class():
+    class WithBuffer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Module()
+            self.inner.register_buffer("scale", torch.ones(2))
+
+    with annot.meta_init():
+        model = WithBuffer()
+    model.inner.scale = None
+    with pytest.raises(annot.DeferredInitError, match=r"inner.scale is None now in module inner \(Module\)"):
+        annot.materialize(model)
 
 
 class LazyReset(nn.Module):

@@ -112,6 +112,21 @@ def test_bad_option_is_a_usage_error() -> None:
     assert main(["--target", "jax", "x.py"]) == 2
 
 
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--target", "jax", "x.py"], "argument --target: invalid choice: 'jax'"),
+        ([], "the following arguments are required: PATH"),
+        (["-j", "0", "x.py"], "-j must be at least 1, got 0"),
+        (["-j", "two", "x.py"], "argument -j/--jobs: invalid int value: 'two'"),
+    ],
+)
+def test_a_usage_error_is_one_line(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("annot rewrite: error: ") and says in err, err
+
+
 def test_permissions_are_kept(model: Path) -> None:
     model.chmod(0o640)
     main([str(model), "-q"])

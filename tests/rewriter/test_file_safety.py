@@ -140,3 +140,92 @@ def test_a_folder_the_system_refuses_to_list_is_reported(tmp_path, monkeypatch, 
     assert _rewrite(str(tmp_path)) == 2
     assert "closed: cannot read this folder (Permission denied)" in capsys.readouterr().err
     assert "checkpoint" in (tmp_path / "ok" / "model.py").read_text()
+
+
+def _refuse(monkeypatch, closed: Path) -> None:
+    """A folder that lists but may not be looked into (read without search permission):
+    every stat below it fails, and its sub-folders cannot be listed. Simulated at the two
+    calls that touch it, since the tests run as root (root may look into any folder)."""
+    real_stat, real_scandir = os.stat, os.scandir
+
+    def refused(path) -> bool:
+        return Path(os.fspath(path)).is_relative_to(closed) and Path(os.fspath(path)) != closed
+
+    def stat(path, *args, **kwargs):
+        if refused(path):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    def scandir(path):
+        if refused(path):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_folder_that_cannot_be_looked_into_is_one_line(tmp_path, monkeypatch, capsys, jobs):
+    """Its files (and a sub-folder) fail one by one; the user hears of the folder once,
+    with the fix, and the other files are still rewritten (was: a PermissionError traceback)."""
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "model.py").write_text(MODEL)
+    closed = tmp_path / "closed"
+    (closed / "sub").mkdir(parents=True)
+    for path in (closed / "a.py", closed / "b.py", closed / "sub" / "c.py"):
+        path.write_text(MODEL)
+    _refuse(monkeypatch, closed)
+    assert _rewrite("-j", jobs, str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "closed" in line] == [
+        f"annot rewrite: error: {closed}: cannot read this folder (Permission denied); make it "
+        "readable for this user (chmod u+rx) or leave it out with --exclude"
+    ]
+    assert "checkpoint" in (tmp_path / "ok" / "model.py").read_text()
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_an_unreadable_file_is_one_line_naming_the_fix(tmp_path, monkeypatch, capsys, jobs):
+    (tmp_path / "model.py").write_text(MODEL)
+    (tmp_path / "secret.py").write_text(MODEL)
+    real_read_bytes = Path.read_bytes
+
+    def read_bytes(self):
+        if self.name == "secret.py":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_read_bytes(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)  # forked workers (-j 2) inherit it
+    assert _rewrite("-j", jobs, str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "secret.py" in line] == [
+        f"{tmp_path}/secret.py:1:1: cannot read this file (Permission denied); make it readable "
+        "for this user or leave it out with --exclude"
+    ]
+    assert "checkpoint" in (tmp_path / "model.py").read_text()
+
+
+def _dies_on_secret(job):
+    """A worker that ends without an answer on one file, as a crash in native code does."""
+    from annot.rewriter import cli
+
+    if job.path.endswith("secret.py"):
+        os._exit(1)
+    return cli._process_original(job)
+
+
+def test_a_worker_that_dies_is_one_line(tmp_path, monkeypatch, capsys):
+    """A broken process pool was a traceback; now one line naming what was not processed."""
+    from annot.rewriter import cli
+
+    (tmp_path / "a.py").write_text(MODEL)
+    (tmp_path / "secret.py").write_text(MODEL)
+    monkeypatch.setattr(cli, "_process_original", cli._process, raising=False)
+    monkeypatch.setattr(cli, "_process", _dies_on_secret)  # forked workers inherit it
+    assert _rewrite("-j", "2", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    [line] = [line for line in err.splitlines() if "worker" in line]
+    assert line.startswith("annot rewrite: error: a worker process ended without an answer (")
+    assert line.endswith(": run again with -j 1 to see which file ends it")
