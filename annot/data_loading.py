@@ -15,7 +15,7 @@ to the loop (not those its workers fetched ahead), so its position is the number
 samples the run consumed, the same on every rank. `annot.save_state(..., data=loader)`
 records it and `annot.load_state(..., data=loader)` puts it back, on any world size: a
 run resumed on another number of ranks continues the same sample order from the same
-sample (only the cut into steps differs). docs/design.md, pitfall 31.
+sample (only the cut into steps differs). docs/design.md, pitfall 32.
 """
 
 from __future__ import annotations
