@@ -1,7 +1,7 @@
 """What every row shares: the device, what was found about CUDA, the process group.
 
-The rows run in one process as rank 0 of a world of one: NCCL on CUDA (``cpu:gloo,
-cuda:nccl``, so CPU tensors still have a backend), gloo on the CPU. A row that needs a
+The rows run in one process as rank 0 of a world of one: NCCL on CUDA (what a training
+job runs; DeepSpeed reads the backend's name), gloo on the CPU. A row that needs a
 different group (torch's fake one, world 8) swaps it with `Context.fake_group` and the
 world-one group comes back afterwards.
 """
@@ -40,6 +40,9 @@ class Context:
 
     device: torch.device
     seed: int = 0
+    # Whether this process chose the rendezvous port (not launched by torchrun): then
+    # every new group gets a fresh one, as a destroyed group's store may still hold it.
+    _own_port: bool | None = None
 
     @property
     def cuda(self) -> bool:
@@ -50,14 +53,17 @@ class Context:
         return [m for m in modules if importlib.util.find_spec(m) is None]
 
     def backend(self) -> str:
-        return "cpu:gloo,cuda:nccl" if self.cuda else "gloo"
+        return "nccl" if self.cuda else "gloo"
 
     def start_group(self) -> None:
         """The world-one process group (and the environment torchrun would have set)."""
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                            ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(key, value)
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if self._own_port is None:
+            self._own_port = "MASTER_PORT" not in os.environ
+        if self._own_port:
+            os.environ["MASTER_PORT"] = str(_free_port())
         if self.cuda:
             torch.cuda.set_device(self.device)
         if not dist.is_initialized():
