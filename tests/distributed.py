@@ -123,9 +123,15 @@ def run_process(cmd: Sequence[str], *, timeout: float, env: dict[str, str] | Non
 def worker_env() -> dict[str, str]:
     """This environment with the repository root first on PYTHONPATH, one OpenMP thread
     per process (two ranks on two cores) and the suite's device (``ANNOT_TEST_DEVICE``,
-    checked) for the workers."""
+    checked) for the workers. On ``cpu`` the workers see no GPU (``CUDA_VISIBLE_DEVICES``
+    empty): annot's default device is this rank's GPU where there is one, and a CPU run
+    on a GPU machine must compute where a CPU-only machine does."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", DEVICE_VARIABLE: test_device()}
+    device = test_device()
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", DEVICE_VARIABLE: device}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 _RANK_LINE = re.compile(r"^\[(?:rank|default)(\d+)\]:")

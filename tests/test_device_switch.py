@@ -48,7 +48,16 @@ def test_the_switch_reads_the_variable_and_refuses_other_values(monkeypatch):
 
 def test_workers_get_the_device_in_their_environment(monkeypatch):
     monkeypatch.setenv("ANNOT_TEST_DEVICE", "cuda")
-    assert worker_env()["ANNOT_TEST_DEVICE"] == "cuda"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    env = worker_env()
+    assert env["ANNOT_TEST_DEVICE"] == "cuda" and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_cpu_workers_see_no_gpu(monkeypatch):
+    monkeypatch.delenv("ANNOT_TEST_DEVICE", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    env = worker_env()
+    assert env["ANNOT_TEST_DEVICE"] == "cpu" and env["CUDA_VISIBLE_DEVICES"] == ""
 
 
 @pytest.mark.gpu
