@@ -131,9 +131,10 @@ class DeferredInit:
 class _Recorder(TorchDispatchMode):
     """Records every aten op under it; runs it on (fake) tensors as usual, on one device.
 
-    Every device an operation names (``nn.Linear(..., device="cuda")``, a factory inside
-    ``with torch.device("cuda")``, ``.to("cuda")``) becomes the build device (fake CPU
-    tensors, or the meta device) before the operation runs, and the tape keeps the CPU:
+    Every device other than the CPU an operation names (``nn.Linear(..., device="cuda")``,
+    a factory inside ``with torch.device("cuda")``, ``.to("cuda")``) becomes the build
+    device (fake CPU tensors, or the meta device) before the operation runs, and the tape
+    keeps the CPU:
     the replay then draws every random number from the one CPU generator, in eager
     order, so the values are bitwise an eager CPU build's with the same seed whatever
     device a constructor named (a CUDA tensor would draw from the CUDA generator instead:
@@ -226,9 +227,11 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _on_build_device(self, named: list[torch.device], x: Any) -> Any:
-        """A device argument other than the build device becomes the build device; the
-        one named is appended to ``named``. Everything else passes unchanged."""
-        if isinstance(x, torch.device) and x.type != self.build_device.type:
+        """A device argument other than the build device and the CPU becomes the build
+        device; the one named is appended to ``named``. Everything else passes unchanged
+        (on the meta device a tensor the constructor makes on the CPU stays real, as
+        before: the record keeps it as a constant)."""
+        if isinstance(x, torch.device) and x.type not in (self.build_device.type, "cpu"):
             named.append(x)
             return self.build_device
         return x
@@ -350,13 +353,15 @@ def meta_device_init() -> Iterator[None]:
 
 
 class _AllFactoriesOn(TorchFunctionMode):
-    """Every tensor factory builds on ``device``, whatever device its call names.
+    """Every tensor factory builds on ``device`` unless its call names the CPU.
 
     ``with torch.device("meta")`` sets only a device the call leaves out: a constructor
     naming ``device="cuda"`` (or opening its own ``with torch.device("cuda")``, which
     replaces the outer one) would allocate on the GPU, or fail without one, before the
     recorder could send it to the meta device. This mode sits above torch's device
-    context and names ``device`` on every call, so the context never adds its own."""
+    context and names ``device`` on every call, so the context never adds its own. A
+    call that names the CPU keeps it, as under ``torch.device("meta")``: its tensor is
+    real, and the record keeps its value as a constant."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -364,7 +369,8 @@ class _AllFactoriesOn(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = dict(kwargs or {})
-        if func in _device_constructors():
+        named = kwargs.get("device")
+        if func in _device_constructors() and (named is None or torch.device(named).type != "cpu"):
             kwargs["device"] = self.device
         return func(*args, **kwargs)
 
