@@ -95,6 +95,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"(exit {EXIT_NO_CUDA})")
         return EXIT_NO_CUDA
     failed = [r["name"] for r in rows if r["status"] in ("fail", "error")]
-    print(f"\n{len(rows) - len(failed)} of {len(rows)} rows without failure"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    counts = ", ".join(f"{sum(r['status'] == s for r in rows)} {s}" for s in ("pass", "fail", "error", "skipped"))
+    print(f"\n{len(rows)} rows: {counts}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return EXIT_FAILED if failed else EXIT_OK
