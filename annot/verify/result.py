@@ -6,7 +6,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["STATUSES", "error", "fail_unless", "result", "skipped", "table"]
+__all__ = ["STATUSES", "Row", "error", "fail_unless", "result", "run_guarded", "skipped", "table"]
 
 STATUSES = ("pass", "fail", "skipped", "error")
 Row = dict[str, Any]
