@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("huggingface.pretrained", ("annot.huggingface.pretrained",)),
     ("trainer integrations", ("annot.lightning", "annot.accelerate")),
     ("memory", ("annot.memory",)),
-    ("cli", ("annot.cli",)),
+    ("cli, verify", ("annot.cli", "annot.verify")),
     ("package root (lazy re-exports)", ("annot",)),
 ]
 

@@ -21,6 +21,43 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR",
                       str(Path.home() / ".cache" / "annot-test-torch-extensions"))
 
 
+def _cuda_found() -> str:
+    """What this torch says about CUDA, for a skip reason."""
+    return (f"torch {torch.__version__}, built with CUDA {torch.version.cuda}, "
+            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} device(s)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The suite's device switch (``ANNOT_TEST_DEVICE``, tests/distributed.py) and the
+    ``gpu`` marker: without a CUDA device, a test marked ``gpu`` is skipped with the
+    reason, and with ``ANNOT_TEST_DEVICE=cuda`` every test is (nothing would run where
+    it was asked to)."""
+    from tests.distributed import DEVICE_VARIABLE, test_device
+
+    try:
+        device = test_device()
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+    if torch.cuda.is_available():
+        return
+    everything = pytest.mark.skip(reason=f"{DEVICE_VARIABLE}=cuda: no CUDA device (found: {_cuda_found()})")
+    gpu = pytest.mark.skip(reason=f"marked gpu: no CUDA device (found: {_cuda_found()})")
+    for item in items:
+        if device == "cuda":
+            item.add_marker(everything)
+        elif item.get_closest_marker("gpu") is not None:
+            item.add_marker(gpu)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The suite's device (``ANNOT_TEST_DEVICE``): ``cuda`` (this process's current CUDA
+    device) or ``cpu``."""
+    from tests.distributed import test_device
+
+    return torch.device("cuda", torch.cuda.current_device()) if test_device() == "cuda" else torch.device("cpu")
+
+
 @pytest.fixture
 def gpt_meta():
     from examples.gpt.model import GPT

@@ -41,6 +41,61 @@ ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
 LAUNCH_TIMEOUT_S = 180
 
+# The device switch of the whole suite: ANNOT_TEST_DEVICE=cpu (default) or cuda. Read here
+# (and by tests/conftest.py, which skips every test with the reason when cuda is asked for
+# and there is no CUDA device), and passed on to every torchrun worker in its environment.
+DEVICE_VARIABLE = "ANNOT_TEST_DEVICE"
+DEVICES = ("cpu", "cuda")
+
+
+def test_device() -> str:
+    """The suite's device, ``"cpu"`` or ``"cuda"``, from ``ANNOT_TEST_DEVICE`` (default
+    cpu). Raises ``ValueError`` naming the variable for any other value."""
+    value = os.environ.get(DEVICE_VARIABLE, "cpu").strip().lower() or "cpu"
+    if value not in DEVICES:
+        raise ValueError(f"{DEVICE_VARIABLE}={value!r}: set it to one of {', '.join(DEVICES)} "
+                         "(or leave it unset for cpu)")
+    return value
+
+
+test_device.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+
+def process_group_backend(device: str, nproc: int, gpus: int) -> str:
+    """The backend of ``nproc`` ranks on ``device`` with ``gpus`` CUDA devices: gloo on
+    the CPU; on CUDA, NCCL with one rank per GPU (``cpu:gloo,cuda:nccl``: the CPU tensors
+    tests still exchange, ``all_gather_object`` among them, go through gloo) when every
+    rank gets a GPU of its own, else gloo with every rank on ``cuda:0`` (NCCL refuses two
+    ranks on one device)."""
+    if device == "cpu":
+        return "gloo"
+    if gpus < 1:
+        raise RuntimeError(f"{DEVICE_VARIABLE}=cuda but this machine has no CUDA device")
+    return "cpu:gloo,cuda:nccl" if nproc <= gpus else "gloo"
+
+
+def rank_device(device: str, local_rank: int, nproc: int, gpus: int) -> str:
+    """The device a rank computes on: ``cuda:<local rank>`` when every rank has a GPU of
+    its own, ``cuda:0`` for all when ranks outnumber GPUs, ``cpu`` on the CPU."""
+    if device == "cpu":
+        return "cpu"
+    return f"cuda:{local_rank}" if nproc <= gpus else "cuda:0"
+
+
+def worker_device() -> str:
+    """In a worker: this rank's device (see `rank_device`), from the environment torchrun
+    and `worker_env` set."""
+    device = test_device()
+    gpus = _cuda_device_count() if device == "cuda" else 0
+    return rank_device(device, int(os.environ.get("LOCAL_RANK", "0")),
+                       int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))), gpus)
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -66,10 +121,17 @@ def run_process(cmd: Sequence[str], *, timeout: float, env: dict[str, str] | Non
 
 
 def worker_env() -> dict[str, str]:
-    """This environment with the repository root first on PYTHONPATH and one OpenMP
-    thread per process (two ranks on two cores)."""
+    """This environment with the repository root first on PYTHONPATH, one OpenMP thread
+    per process (two ranks on two cores) and the suite's device (``ANNOT_TEST_DEVICE``,
+    checked) for the workers. On ``cpu`` the workers see no GPU (``CUDA_VISIBLE_DEVICES``
+    empty): annot's default device is this rank's GPU where there is one, and a CPU run
+    on a GPU machine must compute where a CPU-only machine does."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    device = test_device()
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", DEVICE_VARIABLE: device}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 _RANK_LINE = re.compile(r"^\[(?:rank|default)(\d+)\]:")
@@ -195,8 +257,9 @@ def gathered(value: Any) -> list[Any]:
 
 def worker_main(run: Callable[..., Any]) -> None:
     """The entry of a worker script run under torchrun as ``script OUT [ARG ...]``: joins
-    the gloo process group, calls ``run(*ARGS)`` on every rank, and rank 0 saves what it
-    returns to OUT with ``torch.save``. All ranks then meet at a barrier (no rank leaves
+    the process group (gloo on the CPU; with ``ANNOT_TEST_DEVICE=cuda`` the backend of
+    `process_group_backend`, this rank's CUDA device made current), calls ``run(*ARGS)``
+    on every rank, and rank 0 saves what it returns to OUT with ``torch.save``. All ranks then meet at a barrier (no rank leaves
     while another is still in a collective) and exit.
 
     A run that raised tears the group down and lets the traceback through. A run that
@@ -208,7 +271,14 @@ def worker_main(run: Callable[..., Any]) -> None:
     import torch.distributed as dist
 
     out, *args = sys.argv[1:]
-    dist.init_process_group("gloo")
+    device = test_device()
+    if device == "cuda":
+        gpus = _cuda_device_count()
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.cuda.set_device(torch.device(worker_device()))
+        dist.init_process_group(process_group_backend(device, nproc, gpus))
+    else:
+        dist.init_process_group("gloo")
     try:
         result = run(*args)
         if dist.get_rank() == 0:

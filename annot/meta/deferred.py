@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -88,13 +90,16 @@ class TensorLayout:
 class Op:
     """One recorded operation: tensors in args/kwargs/out are `Ref`s. ``rng_state``: the
     CPU random state to set before it, when code inside `meta_init` changed the state
-    (``torch.manual_seed``) since the previous operation; else ``None``."""
+    (``torch.manual_seed``) since the previous operation; else ``None``. ``named_device``:
+    the device the constructor asked for (``device="cuda"``, a ``with torch.device(...)``
+    block) when it was not the one the record builds and replays on; else ``None``."""
 
     func: Any
     args: Any
     kwargs: Any
     out: Any
     rng_state: torch.Tensor | None = None
+    named_device: torch.device | None = None
 
 
 @dataclasses.dataclass
@@ -124,13 +129,24 @@ class DeferredInit:
 
 
 class _Recorder(TorchDispatchMode):
-    """Records every aten op under it; runs it on (fake) tensors as usual."""
+    """Records every aten op under it; runs it on (fake) tensors as usual, on one device.
+
+    Every device other than the CPU an operation names (``nn.Linear(..., device="cuda")``,
+    a factory inside ``with torch.device("cuda")``, ``.to("cuda")``) becomes the build
+    device (fake CPU tensors, or the meta device) before the operation runs, and the tape
+    keeps the CPU:
+    the replay then draws every random number from the one CPU generator, in eager
+    order, so the values are bitwise an eager CPU build's with the same seed whatever
+    device a constructor named (a CUDA tensor would draw from the CUDA generator instead:
+    other values, and other values on each rank; docs/design.md, pitfall 33). The device
+    named is kept on the operation (`Op.named_device`)."""
 
     def __init__(self, on_meta_device: bool = False) -> None:
         super().__init__()
         # Built on the meta device, factories were told ``device="meta"``: the replay
         # builds on the CPU, so the record says "cpu" (fake tensors say it already).
         self.on_meta_device = on_meta_device
+        self.build_device = torch.device("meta") if on_meta_device else _CPU
         self.ops: list[Op] = []
         self.index: dict[int, int] = {}  # id(tensor) -> ref index
         self.refs: list[Ref] = []  # by index: one object each, made once
@@ -183,19 +199,24 @@ class _Recorder(TorchDispatchMode):
         value = (getattr(t, "constant", None) if isinstance(t, FakeTensor)
                  else None if t.is_meta else t)
         if value is not None:
-            with _disable_current_modes():  # a real copy, not a fake one
-                self.constants[i] = value.detach().clone()
+            with _disable_current_modes():  # a real copy, not a fake one; on the CPU,
+                # where the replay runs (a constant the caller made on a GPU too)
+                self.constants[i] = value.detach().to(_CPU, copy=True)
             self.written.add(self.group_of[i])
         return self.refs[i]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        named: list[torch.device] = []
+        if kwargs:
+            kwargs = map_leaves(functools.partial(self._on_build_device, named), kwargs)
+        args = map_leaves(functools.partial(self._on_build_device, named), args)
         out = func(*args, **kwargs)
         # Inputs before outputs: an in-place operation returns its input, which must
         # have been made before (`_input`).
         self.func = func
         op = Op(func, map_leaves(self._input, args), map_leaves(self._input, kwargs) if kwargs else {},
-                map_leaves(self._output, out))
+                map_leaves(self._output, out), named_device=named[0] if named else None)
         if _draws_random_numbers(func):
             with _disable_current_modes():  # real tensors, compared outside the fake mode
                 state = torch.get_rng_state()
@@ -204,6 +225,16 @@ class _Recorder(TorchDispatchMode):
         self.ops.append(op)
         self._note_writes(func, args, op)
         return out
+
+    def _on_build_device(self, named: list[torch.device], x: Any) -> Any:
+        """A device argument other than the build device and the CPU becomes the build
+        device; the one named is appended to ``named``. Everything else passes unchanged
+        (on the meta device a tensor the constructor makes on the CPU stays real, as
+        before: the record keeps it as a constant)."""
+        if isinstance(x, torch.device) and x.type not in (self.build_device.type, "cpu"):
+            named.append(x)
+            return self.build_device
+        return x
 
     def _input(self, x: Any) -> Any:
         """An argument as the tape holds it. On the meta device, a meta tensor no recorded
@@ -317,8 +348,31 @@ def meta_device_init() -> Iterator[None]:
     checkpoint supplies every persistent tensor, and only if nothing computes a buffer
     differently on the meta device (`annot.from_pretrained` checks the first and falls
     back to `meta_init` otherwise; docs/design.md, pitfall 29)."""
-    with _recording(torch.device("meta"), _Recorder(on_meta_device=True)):
+    with _recording(_AllFactoriesOn(torch.device("meta")), _Recorder(on_meta_device=True)):
         yield
+
+
+class _AllFactoriesOn(TorchFunctionMode):
+    """Every tensor factory builds on ``device`` unless its call names the CPU.
+
+    ``with torch.device("meta")`` sets only a device the call leaves out: a constructor
+    naming ``device="cuda"`` (or opening its own ``with torch.device("cuda")``, which
+    replaces the outer one) would allocate on the GPU, or fail without one, before the
+    recorder could send it to the meta device. This mode sits above torch's device
+    context and names ``device`` on every call, so the context never adds its own. A
+    call that names the CPU keeps it, as under ``torch.device("meta")``: its tensor is
+    real, and the record keeps its value as a constant."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = dict(kwargs or {})
+        named = kwargs.get("device")
+        if func in _device_constructors() and (named is None or torch.device(named).type != "cpu"):
+            kwargs["device"] = self.device
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,138 @@
+"""Rows about compiled and timed training: ``torch.compile`` of checkpointed blocks,
+throughput against a hand-wired FSDP2 loop."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from annot.verify.context import Context
+from annot.verify.model import Shape, TinyGPT, batches, flops_per_token
+from annot.verify.result import Row, fail_unless, skipped
+from annot.wrap import auto_wrap
+
+__all__ = ["compile_checkpointed_blocks", "throughput_vs_hand_wired"]
+
+# Dense bf16 peak FLOP/s of the GPUs MFU is reported for (vendor data sheets, SXM).
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def compile_checkpointed_blocks(ctx: Context) -> Row:
+    """FSDP2 with every block checkpointed (``auto_wrap(..., checkpoint=True)``), each
+    block then compiled with ``fullgraph=True`` (inductor on CUDA; AOTAutograd with
+    eager kernels on the CPU, where no C++ toolchain is assumed): 0 graph breaks
+    (dynamo's counters) over 3 training steps, losses within 1e-5 of eager."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    name = "compile_checkpointed_blocks"
+    bound = 1e-5
+    shape = Shape()
+    data = batches(shape, 3, 4, ctx.device)
+    torch.manual_seed(ctx.seed)
+    eager = TinyGPT(shape).to(ctx.device)
+    compiled = cast(TinyGPT, auto_wrap(copy.deepcopy(eager), "fsdp2", checkpoint=True, device=ctx.device))
+    backend = "inductor" if ctx.cuda else "aot_eager"
+    torch._dynamo.reset()
+    counters.clear()
+    for block in compiled.blocks:
+        block.compile(fullgraph=True, backend=backend)
+
+    def losses(model: nn.Module) -> list[float]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        for x, y in data:
+            loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+        return out
+
+    expected, got = losses(eager), losses(compiled)
+    breaks = sum(counters["graph_break"].values())
+    frames = counters["stats"]["unique_graphs"]
+    diff = max(abs(a - b) for a, b in zip(expected, got, strict=True))
+    torch._dynamo.reset()
+    return fail_unless(name, breaks == 0 and frames > 0 and diff <= bound,
+                       f"backend {backend}; 0 graph breaks, loss within {bound:g} of eager",
+                       graph_breaks=breaks, graphs=frames, max_loss_diff=diff)
+
+
+def _example_model(shape: Shape) -> tuple[nn.Module, Callable[[nn.Module, Any, Any], torch.Tensor], str]:
+    """The example GPT (``examples/gpt``, in a checkout) in ``shape``, or this package's
+    TinyGPT where the examples are not importable; with how to get its loss."""
+    try:
+        from examples.gpt.model import GPT
+    except ImportError:
+        return TinyGPT(shape), lambda m, x, y: m(x, y), "annot.verify TinyGPT"
+    model = GPT(n_layer=shape.layers, n_head=shape.heads, n_embd=shape.width,
+                vocab_size=shape.vocab, block_size=shape.block)
+    return model, lambda m, x, y: m(x, y)[1], "examples.gpt GPT"
+
+
+def _seconds_per_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_of: Any,
+                      data: list[Any], ctx: Context) -> float:
+    ctx.synchronize()
+    start = time.perf_counter()
+    for x, y in data:
+        loss_of(model, x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    ctx.synchronize()
+    return (time.perf_counter() - start) / len(data)
+
+
+def throughput_vs_hand_wired(ctx: Context) -> Row:
+    """Tokens/s and MFU of the example GPT (GPT-2 small's shape, bf16 compute) trained
+    through ``auto_wrap(..., "fsdp2")`` against the same model hand-wired with torch's
+    ``fully_shard`` and the same loop: annot's step time <= 1.02 x the hand-wired one
+    (best of 3 interleaved rounds of 10 steps each, after 3 warm-up steps)."""
+    from annot.engines.hand_wired import fully_shard_by_hand
+
+    name = "throughput_vs_hand_wired"
+    if not ctx.cuda:
+        return skipped(name, "needs --device cuda")
+    shape = Shape(vocab=50304, block=1024, layers=12, heads=12, width=768)
+    batch = 8
+    torch.manual_seed(ctx.seed)
+    hand, loss_of, which = _example_model(shape)
+    hand = hand.to(ctx.device)
+    ours = copy.deepcopy(hand)
+    units = [m for m in hand.modules() if m is not hand and type(m).__name__ == "Block"]
+    fully_shard_by_hand(hand, units, torch.bfloat16)
+    auto_wrap(ours, "fsdp2", mixed_precision="bf16", checkpoint=False, device=ctx.device)
+    optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)
+                  for k, m in (("hand", hand), ("annot", ours))}
+    models = {"hand": hand, "annot": ours}
+    data = batches(shape, 10, batch, ctx.device)
+    for key in models:  # warm-up
+        _seconds_per_step(models[key], optimizers[key], loss_of, data[:3], ctx)
+    best = {"hand": float("inf"), "annot": float("inf")}
+    for _ in range(3):
+        for key in models:
+            best[key] = min(best[key], _seconds_per_step(models[key], optimizers[key], loss_of, data, ctx))
+    tokens = batch * shape.block
+    per_token = flops_per_token(hand, shape)
+    gpu = torch.cuda.get_device_name(ctx.device)
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in gpu), None)
+    ratio = best["annot"] / best["hand"]
+    figures: dict[str, Any] = {
+        "model": which, "units": len(units), "tokens_per_s": tokens / best["annot"],
+        "hand_tokens_per_s": tokens / best["hand"], "step_ratio": ratio, "gpu": gpu,
+        "mfu": per_token * tokens / best["annot"] / peak if peak else None,
+        "hand_mfu": per_token * tokens / best["hand"] / peak if peak else None,
+    }
+    return fail_unless(name, ratio <= 1.02 and len(units) == shape.layers,
+                       "annot step time <= 1.02 x hand-wired fully_shard", **figures)
+
+
+SPEED_ROWS: list[tuple[str, Callable[[Context], Row], bool]] = [
+    ("compile_checkpointed_blocks", compile_checkpointed_blocks, False),
+    ("throughput_vs_hand_wired", throughput_vs_hand_wired, True),
+]
