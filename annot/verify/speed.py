@@ -3,6 +3,8 @@ throughput against a hand-wired FSDP2 loop."""
 
 from __future__ import annotations
 
+import importlib
+
 import copy
 import time
 from collections.abc import Callable
@@ -68,7 +70,8 @@ def _example_model(shape: Shape) -> tuple[nn.Module, Callable[[nn.Module, Any, A
     """The example GPT (``examples/gpt``, in a checkout) in ``shape``, or this package's
     TinyGPT where the examples are not importable; with how to get its loss."""
     try:
-        from examples.gpt.model import GPT
+        # By name: the examples are a checkout's, not part of the package (nor its types).
+        GPT = importlib.import_module("examples.gpt.model").GPT
     except ImportError:
         return TinyGPT(shape), lambda m, x, y: m(x, y), "annot.verify TinyGPT"
     model = GPT(n_layer=shape.layers, n_head=shape.heads, n_embd=shape.width,
