@@ -3,9 +3,8 @@ throughput against a hand-wired FSDP2 loop."""
 
 from __future__ import annotations
 
-import importlib
-
 import copy
+import importlib
 import time
 from collections.abc import Callable
 from typing import Any, cast
