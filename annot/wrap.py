@@ -145,7 +145,7 @@ def auto_wrap(
     checks.forbid_stale_optimizers(before, wrapped, model, steps.name)
     if optimizer is None:                                         # 6. the training surface
         return wrapped
-    return steps.trainable(wrapped, model, optimizer, opts)
+    return steps.trainable(wrapped, model, optimizer, opts, device=request.device)
 
 
 def _deferred(model: nn.Module) -> bool:
