@@ -148,7 +148,8 @@ class Trainable:
         self._unscaled = False
         after = self.scaler.get_scale()
         # update() lowers the scale exactly when this step found inf/NaN and was skipped
-        # (it raises it, or keeps it, otherwise).
+        # (it raises it, or keeps it, otherwise). Reading the scale waits for the device,
+        # as scaler.step already did to decide whether to step.
         if after < before:
             self.skipped_steps += 1
             if _rank() == 0:
