@@ -84,6 +84,12 @@ def test_auto_wrap_gives_an_fp16_trainable_its_engines_scaler(one_rank, engine, 
     assert type(trainable.scaler).__name__ == scaler
 
 
+def test_fp16_without_optimizer_logs_that_the_module_does_not_scale(one_rank, caplog):
+    with caplog.at_level(logging.WARNING, logger="annot"):
+        annot.auto_wrap(_gpt(), "ddp", mixed_precision="fp16")
+    assert "does not scale the loss: pass optimizer=" in caplog.text
+
+
 def test_ddp_mixed_precision_runs_the_forward_under_autocast(one_rank):
     wrapped = annot.auto_wrap(_gpt(), "ddp", mixed_precision="bf16")
     logits, _ = wrapped(torch.zeros(1, 4, dtype=torch.long))
