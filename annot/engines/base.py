@@ -125,7 +125,7 @@ class Trainable:
     #: Optimizer steps the scaler skipped because a gradient was inf or NaN.
     skipped_steps: int = 0
     #: Whether the gradients of this step are unscaled already (`clip_grad_norm_`).
-    _unscaled: bool = dataclasses.field(default=False, repr=False)
+    _unscaled: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
