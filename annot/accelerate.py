@@ -15,12 +15,21 @@ DDP's first broadcast. On GPUs its FSDP2 path returns a model that is already an
 ``FSDPModule`` unchanged. For DeepSpeed, pass ``annot.deepspeed_config(model, for_="hf")``
 as ``TrainingArguments(deepspeed=...)`` and ``annot.apply_checkpointing(model,
 engine="deepspeed")`` (measured on 2 CPU ranks).
+
+fp16: the tool owns precision and loss scaling. Accelerate makes its loss scaler (a
+``ShardedGradScaler`` under FSDP) only for ``Accelerator(mixed_precision="fp16")``, the HF
+Trainer only for ``TrainingArguments(fp16=True)``; fp16 compute set anywhere else (an
+FSDP ``mixed_precision_policy`` in fp16) trains unscaled, its small gradients
+underflowing to zero (docs/design.md, pitfall 34). `fsdp_plugin_kwargs` warns when its
+overrides ask for such a policy.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
 from annot.planning import resolve_plan
@@ -67,8 +76,16 @@ def layer_class_names(model: nn.Module, policy: Policy | Rule | Plan | None = No
 def fsdp_plugin_kwargs(model: nn.Module, policy: Policy | Rule | Plan | None = None, *,
                        checkpoint: bool | None = None, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments for ``accelerate.FullyShardedDataParallelPlugin`` (FSDP2) that
-    wrap and checkpoint what ``model``'s Plan does; ``overrides`` are added as given."""
+    wrap and checkpoint what ``model``'s Plan does; ``overrides`` are added as given (an
+    fp16 ``mixed_precision_policy`` with a warning: the Accelerator's
+    ``mixed_precision="fp16"`` must scale the loss)."""
     names, checkpointing = layer_class_names(model, policy, checkpoint=checkpoint)
+    if _computes_in_fp16(overrides.get("mixed_precision_policy")):
+        warnings.warn(
+            "fsdp_plugin_kwargs: mixed_precision_policy computes in fp16, and Accelerate scales "
+            "the loss only with Accelerator(mixed_precision='fp16'); without it small fp16 "
+            "gradients underflow to zero, silently. Pass mixed_precision='fp16' to the "
+            "Accelerator, or use bf16", UserWarning, stacklevel=2)
     return {"fsdp_version": 2, "auto_wrap_policy": "transformer_based_wrap",
             "transformer_cls_names_to_wrap": names, "activation_checkpointing": checkpointing,
             "reshard_after_forward": True, **overrides}
@@ -80,3 +97,12 @@ def hf_fsdp_config(model: nn.Module, policy: Policy | Rule | Plan | None = None,
     names, checkpointing = layer_class_names(model, policy, checkpoint=checkpoint)
     return {"version": 2, "transformer_layer_cls_to_wrap": names,
             "activation_checkpointing": checkpointing, "reshard_after_forward": True}
+
+
+def _computes_in_fp16(policy: Any) -> bool:
+    """Whether an Accelerate ``mixed_precision_policy`` (a name, a dtype, a dict or torch's
+    ``MixedPrecisionPolicy``) casts parameters to fp16 for compute."""
+    if isinstance(policy, dict):
+        policy = policy.get("param_dtype")
+    policy = getattr(policy, "param_dtype", policy)
+    return policy in ("fp16", "float16", torch.float16)

@@ -26,6 +26,14 @@ does for its own wrappers. Lightning refuses FSDP1 and DeepSpeed strategies on C
 those, pass `annot.fsdp1_policies` to ``FSDPStrategy`` and
 ``annot.deepspeed_config(..., for_="lightning")`` to ``DeepSpeedStrategy``.
 
+fp16: Lightning owns precision here, and its ``ModelParallelStrategy`` has no loss scaler
+(it refuses ``precision="16-mixed"``). fp16 compute without one underflows small
+gradients to zero, silently (docs/design.md, pitfall 34), so the strategies refuse
+annot's ``mixed_precision="fp16"`` and log a warning for Lightning's
+``precision="16-true"``. Use bf16 (``"bf16-mixed"``, ``"bf16-true"``,
+``mixed_precision="bf16"``), or train fp16 with ``annot.auto_wrap(..., optimizer=...)``,
+whose `Trainable` scales the loss.
+
 Lightning is imported inside the functions: ``import annot.lightning`` stays light, and
 the classes are built on first use (``pip install 'annot-train[lightning]'``).
 """
@@ -40,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from annot.engines.base import is_fp16, resolve_dtype
 from annot.engines.fsdp2 import holds_fsdp2
 from annot.meta.deferred import meta_init
 from annot.policies import Plan, Policy, Rule
@@ -59,13 +68,38 @@ logger = logging.getLogger("annot.lightning")
 PolicyLike = Policy | Rule | Plan | None
 
 
+_NO_SCALER = ("Lightning's ModelParallelStrategy has no loss scaler (it refuses "
+              "precision='16-mixed'), so fp16 gradients below fp16's range would underflow to "
+              "zero, silently")
+
+
+def _refuse_fp16(engine_options: dict[str, Any]) -> None:
+    """annot's own fp16 compute under Lightning, which cannot scale the loss."""
+    if is_fp16(resolve_dtype(engine_options.get("mixed_precision"))):
+        raise ValueError(
+            f"annot.lightning: mixed_precision='fp16' computes in fp16, but {_NO_SCALER}. Use "
+            "mixed_precision='bf16' (or Lightning's precision='bf16-mixed'), or train fp16 with "
+            "annot.auto_wrap(model, 'fsdp2', mixed_precision='fp16', optimizer=...), whose "
+            "Trainable scales the loss")
+
+
+def _warn_fp16_without_scaler(precision: Any) -> None:
+    """Lightning's ``precision="16-true"`` (the whole model in fp16) is Lightning's choice:
+    said, not refused."""
+    if getattr(precision, "precision", None) == "16-true":
+        logger.warning("precision='16-true' trains in fp16 and %s: prefer 'bf16-true' or "
+                       "'bf16-mixed'", _NO_SCALER)
+
+
 def parallelize(module: nn.Module, mesh: DeviceMesh, *, policy: PolicyLike = None,
                 checkpoint: bool | None = None, device: Any = None,
                 **engine_options: Any) -> nn.Module:
     """What the strategies do to the module Lightning holds: ``auto_wrap(module, "fsdp2",
     policy, mesh=<the data-parallel dimension of mesh>)``, or nothing if the tree is
     already sharded with FSDP2 (logged). Usable as ``ModelParallelStrategy``'s
-    ``parallelize_fn`` too (``functools.partial(parallelize, checkpoint=True)``)."""
+    ``parallelize_fn`` too (``functools.partial(parallelize, checkpoint=True)``).
+    ``mixed_precision="fp16"`` is refused: Lightning would not scale the loss."""
+    _refuse_fp16(engine_options)
     if holds_fsdp2(module):
         logger.warning("%s is already sharded with FSDP2 (annot.from_pretrained or auto_wrap in "
                        "configure_model): the strategy leaves it as it is", type(module).__name__)
@@ -144,7 +178,8 @@ def _trainer_strategy() -> type:
                 > 1 apply tensor parallelism in ``configure_model`` yourself.
             save_distributed_checkpoint, process_group_backend, timeout: Lightning's.
             engine_options: FSDP2 options (``offload``, ``reshard_after_forward``,
-                ``mixed_precision``, ``offload_activations``).
+                ``mixed_precision``: ``"bf16"``, not ``"fp16"``, which Lightning cannot
+                scale; ``offload_activations``).
         """
 
         strategy_name = "annot"
@@ -153,6 +188,7 @@ def _trainer_strategy() -> type:
                      checkpoint: bool | None = None, data_parallel_size: Any = "auto",
                      tensor_parallel_size: Any = 1, **kwargs: Any) -> None:
             _engine_is_fsdp2(engine)
+            _refuse_fp16(kwargs)
             super().__init__(data_parallel_size=data_parallel_size,
                              tensor_parallel_size=tensor_parallel_size, **_lightning_own(kwargs))
             self._annot = dict(policy=policy, checkpoint=checkpoint, **kwargs)
@@ -167,6 +203,7 @@ def _trainer_strategy() -> type:
             # materialization (annot fills meta_init models itself).
             assert self.model is not None and self.accelerator is not None
             self.accelerator.setup(trainer)
+            _warn_fp16_without_scaler(self.precision_plugin)
             self.model = parallelize(self.model, self.device_mesh, device=self.root_device,
                                      **self._annot)
             self.model = self.precision_plugin.convert_module(self.model)
@@ -209,11 +246,13 @@ def _fabric_strategy() -> type:
                      checkpoint: bool | None = None, data_parallel_size: Any = "auto",
                      tensor_parallel_size: Any = 1, **kwargs: Any) -> None:
             _engine_is_fsdp2(engine)
+            _refuse_fp16(kwargs)
             super().__init__(self._parallelize, data_parallel_size=data_parallel_size,
                              tensor_parallel_size=tensor_parallel_size, **_lightning_own(kwargs))
             self._annot = dict(policy=policy, checkpoint=checkpoint, **kwargs)
 
         def _parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+            _warn_fp16_without_scaler(self.precision)
             return parallelize(module, mesh, device=self.root_device, **self._annot)
 
         def setup_environment(self) -> None:

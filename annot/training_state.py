@@ -8,8 +8,11 @@ A training state is one folder per save, ``DIR/step-00000042``, holding:
   training_state`), each rank writing and reading only its pieces, so it loads on any
   world size and into any engine annot wraps;
 - ``trainer_state.json``: the step, the optimizer's param groups, the scheduler's state,
-  the user's ``extra``, the engine and world size that wrote it, engine counters;
-- ``rng-rank00000.json``, one per rank: that rank's random number generator states;
+  the user's ``extra``, the engine and world size that wrote it, engine counters, the
+  fp16 loss scaler's state (scale, growth tracker, skipped steps);
+- ``rng-rank00000.json``, one per rank: that rank's random number generator states
+  (`annot.engines.rng_state`: CPU, each CUDA device, Python, NumPy, DeepSpeed's
+  model-parallel tracker);
 - ``data-rank00000.json``, one per rank, when ``data=`` was passed: the position in the
   data (the ``state_dict()`` of the loader or sampler given, `annot.ResumableLoader`'s
   being the same on every rank and so valid on any world size);
@@ -22,15 +25,12 @@ and that through an allowlist, for folders annot committed (docs/design.md, pitf
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import logging
 import os
-import random
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from annot.checkpoint_io import commit
 from annot.checkpoint_io.dcp_metadata import SafeFileSystemReader, read_metadata
 from annot.engines.base import Trainable
 from annot.engines.layout import shard_layout
+from annot.engines.rng_state import rng_states, set_rng_states
 from annot.engines.training_state import EngineState, FlatState, TorchState
 from annot.errors import CheckpointError
 from annot.process_group import barrier, rank_and_world
@@ -105,42 +106,6 @@ def engine_state(trainable: Trainable) -> EngineState:
     if trainable.engine == "fsdp1":
         return FlatState(trainable, shard_layout(trainable.module))
     return TorchState(trainable)
-
-
-# -- random number generators --------------------------------------------------------------
-def _bytes(tensor: torch.Tensor) -> str:
-    return base64.b64encode(tensor.numpy().tobytes()).decode()
-
-
-def _tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
-
-
-def rng_states() -> dict[str, Any]:
-    """This process's RNG states (torch CPU and CUDA, Python, NumPy if imported), JSON."""
-    version, state, gauss = random.getstate()
-    out: dict[str, Any] = {"torch": _bytes(torch.get_rng_state()),
-                           "python": [version, list(state), gauss]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = [_bytes(s) for s in torch.cuda.get_rng_state_all()]
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
-        out["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
-    return out
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    """Restore what `rng_states` returned."""
-    torch.set_rng_state(_tensor(states["torch"]))
-    version, state, gauss = states["python"]
-    random.setstate((version, tuple(state), gauss))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_tensor(s) for s in states["cuda"]])
-    numpy = sys.modules.get("numpy")
-    if "numpy" in states and numpy is not None:
-        kind, keys, pos, has_gauss, cached = states["numpy"]
-        numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
 
 
 # -- save ----------------------------------------------------------------------------------
@@ -212,6 +177,8 @@ def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step:
         "scheduler": _json_checked(scheduler.state_dict(), "the scheduler's state")
         if scheduler is not None else None,
         "extra": _json_checked(extra or {}, "extra"),
+        # fp16 loss scaling: the scale and the skipped steps (None without a scaler).
+        "loss_scaler": _json_checked(trainable.loss_scaler_state(), "the loss scaler's state"),
     }
     data_state = (_json_checked(data.state_dict(), f"the data position ({type(data).__name__})")
                   if data is not None else None)
@@ -342,6 +309,7 @@ def load_state(directory: str | os.PathLike[str], trainable: Trainable, *,
     if missing:
         _log.warning("%s: kept the current values of %s (not in the checkpoint)", path,
                      ", ".join(sorted(missing)[:8]))
+    trainable.load_loss_scaler_state(info.get("loss_scaler"), str(path))
     if scheduler is not None:
         if info.get("scheduler") is None:
             raise CheckpointError(f"{path} holds no scheduler state, but a scheduler was passed")

@@ -6,6 +6,7 @@ that engine's module (the contract: `annot.engines.base`).
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -144,8 +145,15 @@ def auto_wrap(
         steps.fill(wrapped, request)
     checks.forbid_stale_optimizers(before, wrapped, model, steps.name)
     if optimizer is None:                                         # 6. the training surface
+        if steps.loss_scaler(opts, request.device) is not None:
+            # fp16 compute needs loss scaling (docs/design.md, pitfall 34); the module alone
+            # has none, so say so rather than train on underflowing gradients.
+            logging.getLogger("annot").warning(
+                "%s computes in fp16, and the module auto_wrap returns without optimizer= does "
+                "not scale the loss: pass optimizer= (the Trainable scales it), or scale it "
+                "yourself (torch's ShardedGradScaler for FSDP, GradScaler for DDP)", steps.name)
         return wrapped
-    return steps.trainable(wrapped, model, optimizer, opts)
+    return steps.trainable(wrapped, model, optimizer, opts, device=request.device)
 
 
 def _deferred(model: nn.Module) -> bool:

@@ -16,7 +16,8 @@ Strategies: ``ddp``, ``fsdp2``, ``fsdp1``, ``zero2``, ``zero3`` (DeepSpeed ZeRO 
 or 3). ``--checkpoint`` checkpoints every block. ``--offload`` offloads what the strategy
 can: parameters and optimizer state for FSDP and ZeRO (``zero2``: optimizer state only),
 activations for DDP (`annot.runtime.activation_offload`). ``--precision`` ``fp32``, ``bf16`` or
-``fp16`` (FSDP/ZeRO mixed precision; DDP runs under ``torch.autocast``).
+``fp16`` (every engine's ``mixed_precision``: FSDP/ZeRO cast compute, DDP autocasts its
+forward; fp16 scales the loss in the `Trainable`).
 
 Step time is the mean over the steps after ``--warmup``; tokens/s counts every rank's
 tokens; peak memory is the largest over ranks: resident set size on CPU
@@ -28,7 +29,6 @@ machine, never for tests.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -51,7 +51,6 @@ VARIANTS = {"plain": [], "checkpoint": ["--checkpoint"], "offload": ["--offload"
             "checkpoint+offload": ["--checkpoint", "--offload"]}
 RESULT_TAG = "BENCHMARK-RESULT "  # rank 0's line the table driver reads
 RUN_TIMEOUT_S = 600
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,8 +86,8 @@ def wrap(model: torch.nn.Module, args: argparse.Namespace) -> annot.Trainable:
         options = dict(stage=3 if args.strategy == "zero3" else 2,
                        offload="cpu" if args.offload else None, mixed_precision=precision)
     elif args.strategy == "ddp":
-        # DDP cannot offload parameters (and casts nothing itself: autocast below).
-        engine, options = "ddp", dict(offload_activations=args.offload)
+        # DDP cannot offload parameters; its mixed precision is autocast in the forward.
+        engine, options = "ddp", dict(offload_activations=args.offload, mixed_precision=precision)
     else:
         engine = args.strategy
         options = dict(offload=True if args.offload else None, mixed_precision=precision)
@@ -115,9 +114,6 @@ def run(args: argparse.Namespace) -> dict:
         device = next(model.parameters()).device
         if device.type == "cpu" and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())  # parameters offloaded
-        autocast = contextlib.nullcontext()
-        if args.strategy == "ddp" and args.precision != "fp32":  # DDP itself casts nothing
-            autocast = torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[args.precision])
         gen = torch.Generator().manual_seed(rank)
         data = torch.randint(0, args.vocab_size, (args.batch_size, args.block_size + 1), generator=gen)
         idx, targets = data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
@@ -127,8 +123,7 @@ def run(args: argparse.Namespace) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            with autocast:
-                _, loss = trainer(idx, targets)
+            _, loss = trainer(idx, targets)
             trainer.backward(loss)
             trainer.step()
             trainer.zero_grad()

@@ -15,16 +15,17 @@ the order of the steps and calls them in it (docs/design.md, "Engine contract"):
    the storage this rank keeps (`Engine.layout` says where that is);
 6. `Engine.trainable`: with an optimizer factory, the uniform training surface
    `Trainable` (``backward``, ``step``, ``zero_grad``), so a training loop never
-   branches on the engine.
+   branches on the engine; with fp16 compute it scales the loss (`Engine.loss_scaler`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -38,13 +39,18 @@ from annot.runtime.activation_checkpoint import apply_checkpointing
 from annot.runtime.activation_offload import apply_activation_offload, offloaded_activation_paths
 from annot.runtime.units import unit_paths
 
+if TYPE_CHECKING:
+    from torch.amp import GradScaler
+
 __all__ = [
+    "INIT_SCALE",
     "Engine",
     "OptimizerFactory",
     "Trainable",
     "WrapRequest",
     "checkpoint_and_offload_activations",
     "fill_values",
+    "is_fp16",
     "refuse_nvme_marks",
     "resolve_dtype",
     "resolve_torch_offload",
@@ -52,6 +58,8 @@ __all__ = [
 ]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+_log = logging.getLogger("annot")
 
 _DTYPES: dict[str, torch.dtype | None] = {
     "fp32": None, "float32": None, "no": None,
@@ -92,27 +100,105 @@ class Trainable:
 
     Call it like the model; ``backward(loss)``, ``step()``, ``zero_grad()`` are the
     engine's (DeepSpeed's own for DeepSpeed, which scales losses and accumulates
-    gradients itself; plain ``loss.backward()`` and the optimizer's for the torch
-    engines). ``module`` is what runs forward (the engine's wrapper; FSDP2's is the model
-    itself), ``model`` the bare model with its original parameter names.
+    gradients itself; the optimizer's for the torch engines). ``module`` is what runs
+    forward (the engine's wrapper; FSDP2's is the model itself), ``model`` the bare model
+    with its original parameter names.
+
+    fp16 compute (``mixed_precision="fp16"`` on FSDP2, FSDP1, DDP) gives the torch
+    engines a ``scaler`` (torch's ``ShardedGradScaler`` for the FSDPs, ``GradScaler`` for
+    DDP): ``backward`` multiplies the loss by the scale so small gradients do not
+    underflow to zero in fp16 (docs/design.md, pitfall 34), ``step`` unscales the
+    gradients, skips the optimizer step if any of them is inf or NaN on any rank,
+    and adapts the scale. A skipped step leaves the parameters and the optimizer state
+    as they were; it is counted in ``skipped_steps`` and logged on rank 0. The training
+    loop stays ``backward(loss); step(); zero_grad()``. Gradients between ``backward``
+    and ``step`` are scaled: clip them with `clip_grad_norm_`, which unscales first.
+    ``save_state``/``load_state`` keep the scaler's state and the count.
     """
 
     module: nn.Module
     model: nn.Module
     optimizer: torch.optim.Optimizer
     engine: str
+    #: The loss scaler of fp16 compute (``None``: no scaling, fp32 or bf16).
+    scaler: GradScaler | None = None
+    #: Optimizer steps the scaler skipped because a gradient was inf or NaN.
+    skipped_steps: int = 0
+    #: Whether the gradients of this step are unscaled already (`clip_grad_norm_`).
+    _unscaled: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        if self.scaler is None:
+            loss.backward()
+        else:
+            self.scaler.scale(loss).backward()
 
     def step(self) -> None:
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+            return
+        before = self.scaler.get_scale()
+        # Unscales (unless clip_grad_norm_ did), checks every rank's gradients for
+        # inf/NaN (ShardedGradScaler all-reduces the finding), steps only if none.
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self._unscaled = False
+        after = self.scaler.get_scale()
+        # update() lowers the scale exactly when this step found inf/NaN and was skipped
+        # (it raises it, or keeps it, otherwise). Reading the scale waits for the device,
+        # as scaler.step already did to decide whether to step.
+        if after < before:
+            self.skipped_steps += 1
+            if _rank() == 0:
+                _log.warning(
+                    "fp16 loss scaling: inf/NaN gradients, optimizer step skipped (parameters "
+                    "unchanged; %d skipped so far); loss scale %g -> %g", self.skipped_steps,
+                    before, after)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the trained parameters to total norm ``max_norm`` (over
+        every rank's shards) and return the norm before clipping. Call it between
+        ``backward`` and ``step``. With a loss scaler the gradients are unscaled first,
+        so ``max_norm`` is in the loss's units; a norm that is inf or NaN leaves the
+        gradients so, and ``step`` then skips the step."""
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self.optimizer)
+            self._unscaled = True
+        return self._clip_grad_norm(max_norm, norm_type)
+
+    def _clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """The engine's clipping of unscaled gradients: torch's ``clip_grad_norm_`` takes
+        whole tensors (DDP) and DTensors (FSDP2, whose norms it reduces over the mesh)."""
+        return torch.nn.utils.clip_grad_norm_(trained_parameters(self.module), max_norm, norm_type)
+
+    def loss_scaler_state(self) -> dict[str, Any] | None:
+        """The scaler's state and the skipped-step count as JSON data (``None`` without a
+        scaler), for `annot.save_state`."""
+        if self.scaler is None:
+            return None
+        return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_loss_scaler_state(self, state: dict[str, Any] | None, where: str = "the checkpoint") -> None:
+        """Restore what `loss_scaler_state` gave. A state without a scaler's part into
+        an fp16 run starts from the initial scale, and a scaler's state into a run that
+        does not scale is dropped; both are logged."""
+        if self.scaler is None:
+            if state is not None:
+                _log.warning("%s holds an fp16 loss scaler's state, but this run does not scale "
+                             "its loss (no fp16 compute): the state is not used", where)
+            return
+        if state is None:
+            _log.warning("%s holds no loss scaler state (saved without fp16 compute): the loss "
+                         "scale starts at %g", where, self.scaler.get_scale())
+            return
+        self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
 
     def train(self, mode: bool = True) -> Trainable:
         self.module.train(mode)
@@ -123,6 +209,24 @@ class Trainable:
 
     def parameters(self) -> Iterable[nn.Parameter]:
         return self.module.parameters()
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+#: The loss scalers' first scale: torch's default, 2^16, is one more than fp16 holds
+#: (65504). Where the loss itself is fp16 (FSDP's fp16 compute returns it so), the
+#: gradient reaching it is the scale, inf at 2^16: the first step was always skipped
+#: (measured on FSDP2 and FSDP1, 2 CPU ranks: every gradient NaN).
+INIT_SCALE = 2.0 ** 15
+
+
+def is_fp16(dtype: Any) -> bool:
+    """Whether a resolved ``mixed_precision`` (a dtype, or an engine's policy object with
+    a ``param_dtype``) computes in fp16, which needs loss scaling."""
+    return getattr(dtype, "param_dtype", dtype) == torch.float16
 
 
 OptionsT = TypeVar("OptionsT")
@@ -196,10 +300,17 @@ class Engine(Generic[OptionsT]):
         fill_values(wrapped, request.load_from, request.device, self.layout(wrapped), request.mmap)
 
     def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
-                  options: OptionsT) -> Trainable:
+                  options: OptionsT, device: torch.device | None = None) -> Trainable:
         """``wrapped`` with an optimizer over the parameters it trains (those that
-        require grad: frozen ones get no optimizer state)."""
-        return Trainable(wrapped, model, optimizer(trained_parameters(wrapped)), self.name)
+        require grad: frozen ones get no optimizer state), and the loss scaler
+        `loss_scaler` gives for ``device`` (``None``: the CPU)."""
+        return Trainable(wrapped, model, optimizer(trained_parameters(wrapped)), self.name,
+                         scaler=self.loss_scaler(options, device or torch.device("cpu")))
+
+    def loss_scaler(self, options: OptionsT, device: torch.device) -> GradScaler | None:
+        """The loss scaler these options need on ``device``: ``None`` unless the engine
+        computes in fp16 (bf16 has fp32's exponent range and needs none)."""
+        return None
 
 
 def trained_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -7,27 +7,35 @@ order of steps: checkpoint the Plan's modules and hook activation offload around
 offloaded ones (`DDP.prepare`), give a `meta_init` model its values on this rank's
 device (DDP broadcasts rank 0's values when it wraps, so they must exist first), then
 move the model to the device and wrap (DDP registers its gradient hooks on the
-parameters as they are at wrap time).
+parameters as they are at wrap time). Mixed precision is autocast in the wrapper's
+forward (`AutocastDDP`); fp16 adds loss scaling in the `Trainable`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.amp import GradScaler
 from torch.nn.parallel import DistributedDataParallel
 
 from annot.engines.base import (
+    INIT_SCALE,
     Engine,
     WrapRequest,
     checkpoint_and_offload_activations,
+    is_fp16,
     refuse_nvme_marks,
+    resolve_dtype,
 )
 from annot.engines.mesh import refuse_plan_dims
 
-__all__ = ["DDP", "DDPOptions", "apply_ddp"]
+__all__ = ["DDP", "AutocastDDP", "DDPOptions", "apply_ddp"]
+
+_AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,10 +50,23 @@ class DDPOptions:
         gradient_as_bucket_view: gradients are views into DDP's communication buckets
             (torch's memory saving: one gradient copy instead of two, 4 bytes per fp32
             parameter less; default ``True``). ``False`` keeps torch's default.
+        mixed_precision: ``None`` (as the parameters are), ``"bf16"``/``"fp16"`` or the
+            dtype: the forward runs under ``torch.autocast`` in it (parameters, gradients
+            and their all-reduce stay in the parameters' dtype). fp16 gives the
+            `Trainable` a ``GradScaler`` (loss scaling, skipped steps on inf/NaN).
     """
 
     offload_activations: bool | None = None
     gradient_as_bucket_view: bool = True
+    mixed_precision: torch.dtype | str | None = None
+
+    def __post_init__(self) -> None:
+        dtype = resolve_dtype(self.mixed_precision)
+        if dtype is not None and dtype not in _AUTOCAST_DTYPES:
+            raise ValueError(
+                f"engine 'ddp' takes mixed_precision 'bf16', 'fp16', 'fp32' or None (autocast in "
+                f"the forward), not {self.mixed_precision!r}")
+        object.__setattr__(self, "mixed_precision", dtype)
 
 
 class DDP(Engine[DDPOptions]):
@@ -58,7 +79,6 @@ class DDP(Engine[DDPOptions]):
     hints = {
         "offload": "DDP keeps every parameter on the device; offload_activations=True "
                    "offloads activations, engine='fsdp2' offloads parameters",
-        "mixed_precision": "with DDP use torch.autocast in the training step",
         "reshard_after_forward": "DDP does not shard; use engine='fsdp2'",
         "mesh": "DDP replicates over the default process group",
     }
@@ -76,15 +96,38 @@ class DDP(Engine[DDPOptions]):
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: DDPOptions) -> nn.Module:
         return apply_ddp(model, device=request.device,
-                         gradient_as_bucket_view=options.gradient_as_bucket_view)
+                         gradient_as_bucket_view=options.gradient_as_bucket_view,
+                         autocast=options.mixed_precision)  # type: ignore[arg-type]  # a dtype now
+
+    def loss_scaler(self, options: DDPOptions, device: torch.device) -> GradScaler | None:
+        # DDP's gradients are all-reduced before the scaler reads them: every rank finds
+        # the same inf/NaN, so torch's plain scaler agrees across ranks.
+        return GradScaler(device.type, init_scale=INIT_SCALE) if is_fp16(options.mixed_precision) else None
+
+
+class AutocastDDP(DistributedDataParallel):
+    """``DistributedDataParallel`` whose forward runs under ``torch.autocast``, so the
+    mixed precision is the wrapped module's own (with or without annot's `Trainable`)."""
+
+    autocast_dtype: torch.dtype
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            return super().forward(*inputs, **kwargs)
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device,
-              gradient_as_bucket_view: bool = True) -> DistributedDataParallel:
+              gradient_as_bucket_view: bool = True,
+              autocast: torch.dtype | None = None) -> DistributedDataParallel:
     """Move ``model`` to ``device`` and wrap it in DDP; its ``.module`` is ``model`` with
     unchanged names. With ``gradient_as_bucket_view`` the gradients live in DDP's buckets
-    (no second copy; annot.memory counts it so)."""
+    (no second copy; annot.memory counts it so). ``autocast``: a dtype to run the forward
+    in (``torch.autocast`` on ``device``); the parameters keep theirs."""
     model.to(device)
     device_ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids,
-                                   gradient_as_bucket_view=gradient_as_bucket_view)
+    if autocast is None:
+        return DistributedDataParallel(model, device_ids=device_ids,
+                                       gradient_as_bucket_view=gradient_as_bucket_view)
+    wrapped = AutocastDDP(model, device_ids=device_ids, gradient_as_bucket_view=gradient_as_bucket_view)
+    wrapped.autocast_dtype = autocast
+    return wrapped

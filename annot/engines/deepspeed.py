@@ -253,7 +253,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         refresh_secondary_partitions(wrapped)
 
     def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
-                  options: DeepSpeedOptions) -> Trainable:
+                  options: DeepSpeedOptions, device: torch.device | None = None) -> Trainable:
         import deepspeed
 
         engine, ds_optimizer, *_ = deepspeed.initialize(
@@ -274,6 +274,15 @@ class DeepSpeedTrainable(Trainable):
 
     def zero_grad(self) -> None:
         """Nothing to do: DeepSpeed's ``step`` clears the gradients at each boundary."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Refused: DeepSpeed clips inside its ``step``, on gradients it unscaled and
+        reduced itself; a clip between ``backward`` and ``step`` would see its partial,
+        scaled ones."""
+        raise ValueError(
+            "engine 'deepspeed' clips gradients inside its step: set it in the config "
+            f"(annot.deepspeed_config(..., gradient_clipping={max_norm}) as config=, or "
+            "\"gradient_clipping\" in your own), not with Trainable.clip_grad_norm_")
 
 
 def _without_shared_parameters(model: nn.Module, paths: list[str]) -> list[str]:

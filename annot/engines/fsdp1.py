@@ -30,10 +30,15 @@ from torch.distributed.fsdp import (
     MixedPrecision,
     ShardingStrategy,
 )
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from annot.engines.base import (
+    INIT_SCALE,
     Engine,
+    OptimizerFactory,
+    Trainable,
     WrapRequest,
+    is_fp16,
     refuse_nvme_marks,
     resolve_dtype,
     resolve_torch_offload,
@@ -50,7 +55,8 @@ from annot.policies import Action, Plan, Policy, Rule
 from annot.runtime.units import unit_paths
 
 __all__ = [
-    "FSDP1", "FSDP1Options", "FullyShardedDataParallel", "apply_fsdp1", "fsdp1_policies", "shard_layout",
+    "FSDP1", "FSDP1Options", "FSDP1Trainable", "FullyShardedDataParallel", "apply_fsdp1",
+    "fsdp1_policies", "shard_layout",
 ]
 
 # FSDP1 inserts a module under this name above each module it wraps; no key contains it.
@@ -68,7 +74,8 @@ class FSDP1Options:
             none; it needs a GPU, since it pins host memory), ``False`` none, ``None``
             as the Plan marks, if it marks all units or none.
         mixed_precision: ``None``, ``"bf16"``/``"fp16"``/a dtype (reductions in fp32) or
-            a ``MixedPrecision``.
+            a ``MixedPrecision``. fp16 compute (``param_dtype`` fp16) gives the
+            `Trainable` a ``ShardedGradScaler`` (loss scaling, skipped steps on inf/NaN).
         mesh: a device mesh over every rank, or `annot.ParallelDims` to build it from;
             default the Plan's parallel dims, else the default process group. A 2-D mesh
             (replicate, shard) is ``HYBRID_SHARD`` (``_HYBRID_SHARD_ZERO2`` with
@@ -129,6 +136,25 @@ class FSDP1(Engine[FSDP1Options]):
 
     def layout(self, wrapped: nn.Module) -> ShardLayout:
         return shard_layout(wrapped)
+
+    def loss_scaler(self, options: FSDP1Options, device: torch.device) -> ShardedGradScaler | None:
+        # Each rank holds only its flat shard's gradients: an inf on one rank must skip
+        # the step on all (the sharded scaler all-reduces what it found).
+        return ShardedGradScaler(device.type, init_scale=INIT_SCALE) if is_fp16(options.mixed_precision) else None
+
+    def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
+                  options: FSDP1Options, device: torch.device | None = None) -> Trainable:
+        base = super().trainable(wrapped, model, optimizer, options, device)
+        return FSDP1Trainable(base.module, base.model, base.optimizer, base.engine,
+                              scaler=base.scaler)
+
+
+class FSDP1Trainable(Trainable):
+    """FSDP1's `Trainable`: gradients are flat shards, so clipping goes through the root
+    ``FullyShardedDataParallel.clip_grad_norm_``, which reduces the norm over the ranks."""
+
+    def _clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        return cast(FullyShardedDataParallel, self.module).clip_grad_norm_(max_norm, norm_type)
 
 
 def _refuse_offload_on_cpu(offload: bool, device: torch.device) -> None:

@@ -33,12 +33,15 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from annot.engines.base import (
+    INIT_SCALE,
     Engine,
     WrapRequest,
     checkpoint_and_offload_activations,
+    is_fp16,
     refuse_nvme_marks,
     resolve_dtype,
     resolve_torch_offload,
@@ -75,6 +78,8 @@ class FSDP2Options:
             until backward (`annot.runtime.activation_offload`).
         mixed_precision: ``None`` (as the parameters are), ``"bf16"``/``"fp16"``/a dtype
             (compute in it, reduce gradients in fp32), or a ``MixedPrecisionPolicy``.
+            fp16 compute (``param_dtype`` fp16) gives the `Trainable` a
+            ``ShardedGradScaler`` (loss scaling, skipped steps on inf/NaN).
         mesh: the device mesh to shard over, or `annot.ParallelDims` to build it from
             (``ParallelDims(replicate=2)``: HSDP, replicas across the outer ranks, each
             sharded over the inner ones); default the Plan's parallel dims, else a 1-D
@@ -161,6 +166,11 @@ class FSDP2(Engine[FSDP2Options]):
         # for explicitly.
         checkpoint_and_offload_activations(model, request.plan, checkpoint_paths,
                                            options.offload_activations)
+
+    def loss_scaler(self, options: FSDP2Options, device: torch.device) -> ShardedGradScaler | None:
+        # Sharded: each rank sees only its shards' gradients, so an inf on one rank must
+        # skip the step on all (the scaler all-reduces what it found).
+        return ShardedGradScaler(device.type, init_scale=INIT_SCALE) if is_fp16(options.mixed_precision) else None
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: FSDP2Options) -> nn.Module:
         return apply_fsdp2(

@@ -98,7 +98,6 @@ def test_ddp_keeps_parameters_so_an_earlier_optimizer_is_allowed(one_rank):
 @pytest.mark.parametrize(
     ("engine", "options", "match"),
     [
-        ("ddp", dict(mixed_precision="bf16"), "no option 'mixed_precision'.*torch.autocast"),
         ("ddp", dict(offload=True), "no option 'offload'.*offload_activations=True"),
         ("ddp", dict(mesh=object()), "no option 'mesh'.*default process group"),
         ("fsdp1", dict(offload_activations=True), "no option 'offload_activations'.*'fsdp2' or 'ddp'"),

@@ -153,3 +153,38 @@ def test_checkpoint_false_turns_accelerates_checkpointing_off():
     from annot.accelerate import fsdp_plugin_kwargs
 
     assert fsdp_plugin_kwargs(gpt(), checkpoint=False)["activation_checkpointing"] is False
+
+
+# fp16: the tool owns loss scaling ------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["fp16", torch.float16, {"param_dtype": torch.float16}])
+def test_an_fp16_policy_for_accelerate_warns_that_the_accelerator_must_scale(policy):
+    from annot.accelerate import fsdp_plugin_kwargs
+
+    with pytest.warns(UserWarning, match="Accelerator\\(mixed_precision='fp16'\\)"):
+        fsdp_plugin_kwargs(gpt(), mixed_precision_policy=policy)
+
+
+def test_a_bf16_policy_for_accelerate_does_not_warn(recwarn):
+    from annot.accelerate import fsdp_plugin_kwargs
+
+    fsdp_plugin_kwargs(gpt(), mixed_precision_policy="bf16")
+    assert not [w for w in recwarn if "fp16" in str(w.message)]
+
+
+@pytest.mark.parametrize("strategy", ["Strategy", "FabricStrategy"])
+def test_lightning_strategies_refuse_fp16_they_cannot_scale(strategy):
+    pytest.importorskip("lightning")
+    import annot.lightning
+
+    with pytest.raises(ValueError, match="no loss scaler"):
+        getattr(annot.lightning, strategy)(mixed_precision="fp16")
+
+
+def test_lightning_parallelize_refuses_fp16_before_touching_the_model():
+    from annot.lightning import parallelize
+
+    model = gpt()
+    with pytest.raises(ValueError, match="Trainable scales the loss"):
+        parallelize(model, None, mixed_precision="fp16")  # type: ignore[arg-type]  # refused before the mesh is read
+    assert not annot.engines.fsdp2.holds_fsdp2(model)
