@@ -131,7 +131,7 @@ def test_no_split_modules_naming_only_a_sub_block_shards_the_repeated_layer():
     plan = annot.plan(model)
     layers = [f"roberta_prelayernorm.encoder.layer.{i}" for i in range(2)]
     assert [p for p in plan.paths("shard") if ".encoder." in p] == layers
-    assert plan.paths("checkpoint")[-2:] == layers
+    assert set(layers) <= set(plan.paths("checkpoint"))
     assert "inside repeated_blocks(RobertaPreLayerNormLayer)" in plan.unit(layers[0]).reason
     assert plan.root.params < model.roberta_prelayernorm.encoder.layer[0].output.dense.weight.numel()
 
