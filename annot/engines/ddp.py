@@ -21,11 +21,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from annot.engines.base import (
     Engine,
+    EngineState,
+    Trainable,
     WrapRequest,
     checkpoint_and_offload_activations,
     refuse_nvme_marks,
 )
 from annot.engines.mesh import refuse_plan_dims
+from annot.engines.training_state import TorchState
 
 __all__ = ["DDP", "DDPOptions", "apply_ddp"]
 
@@ -77,6 +80,10 @@ class DDP(Engine[DDPOptions]):
     def wrap(self, model: nn.Module, request: WrapRequest, options: DDPOptions) -> nn.Module:
         return apply_ddp(model, device=request.device,
                          gradient_as_bucket_view=options.gradient_as_bucket_view)
+
+    def state(self, trainable: Trainable) -> EngineState:
+        """torch's distributed state-dict API, which gives the layout as it is."""
+        return TorchState(trainable)
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device,

@@ -33,6 +33,8 @@ from torch.distributed.fsdp import (
 
 from annot.engines.base import (
     Engine,
+    EngineState,
+    Trainable,
     WrapRequest,
     refuse_nvme_marks,
     resolve_dtype,
@@ -41,6 +43,7 @@ from annot.engines.base import (
 from annot.engines.dtypes import refuse_fsdp1_dtypes
 from annot.engines.mesh import MeshLike, data_parallel_mesh, resolve_mesh
 from annot.engines.tool_policy import PlanPolicy
+from annot.engines.training_state import FlatState
 from annot.errors import EngineNotAvailableError
 from annot.meta.deferred import DeferredInitError
 from annot.meta.layout import FlatPart, ShardLayout
@@ -129,6 +132,10 @@ class FSDP1(Engine[FSDP1Options]):
 
     def layout(self, wrapped: nn.Module) -> ShardLayout:
         return shard_layout(wrapped)
+
+    def state(self, trainable: Trainable) -> EngineState:
+        """This rank's flat ranges as chunks of the real tensors (docs/design.md, pitfall 24)."""
+        return FlatState(trainable, self.layout(trainable.module))
 
 
 def _refuse_offload_on_cpu(offload: bool, device: torch.device) -> None:
