@@ -36,7 +36,7 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     if skip is not None:
         warn_deprecated("annot.materialize(skip=...)",
                         "annot.load(model, path) or auto_wrap(..., load_from=path), which skip "
-                        "what the checkpoint provides", stacklevel=2)
+                        "what the checkpoint provides")
     materialization.materialize(model, device=device, progress=progress,
                                 skip=frozenset(skip or ()), layout=shard_layout(model))
     after_write(model)

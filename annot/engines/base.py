@@ -178,7 +178,7 @@ OptionsT = TypeVar("OptionsT")
 @dataclasses.dataclass(frozen=True)
 class RenamedOption:
     """An engine option of the previous release, now spelled ``option``: ``convert``
-    maps the old value to the new option's value (a `ValueError` for one with none)."""
+    maps the old value to the new option's value (and raises for a value that has none)."""
 
     option: str
     convert: Callable[[Any], Any]
@@ -242,8 +242,7 @@ class Engine(Generic[OptionsT]):
                     f"engine {self.name!r}: {old}={value!r} (deprecated) means {spelled}, "
                     f"but {renamed.option}={out[renamed.option]!r} was passed too: pass "
                     f"{renamed.option}= alone")
-            # 4: _renamed, options, auto_wrap (or another caller), the user's line
-            warn_deprecated(f"engine {self.name!r} option {old}={value!r}", spelled, stacklevel=4)
+            warn_deprecated(f"engine {self.name!r} option {old}={value!r}", spelled)
             out[renamed.option] = new_value
         return out
 
