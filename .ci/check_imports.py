@@ -15,9 +15,15 @@ lazy ``_EXPORTS`` table of ``annot/__init__.py`` is not read. It reports:
   top-level names ``policies`` / ``rewriter``; a lower layer of `LAYERS` importing a
   higher one; a module `LAYERS` does not place;
 - engine internals outside engines: ``deepspeed`` or ``torch.distributed.fsdp`` imported
-  by a module outside ``annot/engines/``.
+  by a module outside ``annot/engines/``;
+- engine modules outside their engine: a generic module importing one engine's module
+  (`engine_of`: ``annot.engines.<engine>`` and ``annot.engines.<engine>_<part>`` for each
+  engine of `ENGINE_NAMES`), or one engine's module importing another engine's. Generic
+  is every other module of annot, ``annot/engines/`` included, except those of
+  `ENGINE_DISPATCH` (the registry, the package root's typing-only re-exports) and the
+  imports `ENGINE_AWARE` lists with their reason.
 
-Exit status: 0 when all three are empty, 1 otherwise, 2 when a file does not parse.
+Exit status: 0 when all four are empty, 1 otherwise, 2 when a file does not parse.
 Standard library only. Usage: ``python .ci/check_imports.py [ROOT]``, ROOT being the
 directory that holds ``annot/`` (default: this repository).
 """
@@ -39,9 +45,9 @@ PACKAGE = "annot"
 # root "annot" matches itself only. Keep this table and docs/design.md in step.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("policies, rewriter", ("annot.policies", "annot.rewriter")),
-    ("errors, _progress, _version, markers, planning, module_state, process_group, data_loading",
-     ("annot.errors", "annot._progress", "annot._version", "annot.markers", "annot.planning",
-      "annot.module_state", "annot.process_group", "annot.data_loading")),
+    ("errors, _progress, _version, _deprecation, markers, planning, module_state, process_group, data_loading",
+     ("annot.errors", "annot._progress", "annot._version", "annot._deprecation", "annot.markers",
+      "annot.planning", "annot.module_state", "annot.process_group", "annot.data_loading")),
     ("huggingface detection", ("annot.huggingface",)),
     ("runtime, meta", ("annot.runtime", "annot.meta")),
     ("checkpoint_io", ("annot.checkpoint_io",)),
@@ -51,6 +57,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("trainer integrations", ("annot.lightning", "annot.accelerate")),
     ("memory", ("annot.memory",)),
     ("cli, verify", ("annot.cli", "annot.verify")),
+    ("deprecated import paths (0.1 names, warn until 0.3)",
+     ("annot.loading", "annot.saving", "annot.deferred", "annot.materialization",
+      "annot.activation_checkpoint", "annot.activation_offload")),
     ("package root (lazy re-exports)", ("annot",)),
 ]
 
@@ -60,6 +69,22 @@ ENGINES = "annot.engines"
 POLICIES_FORBIDDEN = ("torch.distributed", "deepspeed", "transformers", "peft")
 REWRITER_ALLOWED_EXTERNAL = ("libcst",)
 ENGINE_INTERNALS = ("deepspeed", "torch.distributed.fsdp")
+# The engines annot wraps. One engine's modules are annot.engines.<name> and
+# annot.engines.<name>_<part> (deepspeed_config, deepspeed_state, deepspeed_partitions):
+# what a new engine adds lives in modules named so, and nothing generic imports them.
+ENGINE_NAMES = ("ddp", "fsdp1", "fsdp2", "deepspeed")
+# Generic modules that may import any engine's module: the registry finds an engine by its
+# name; the package root re-exports engines' option types (under TYPE_CHECKING only).
+ENGINE_DISPATCH = ("annot.engines.registry", "annot")
+# Single imports of one engine's module by a module built around that engine, with why.
+ENGINE_AWARE: dict[tuple[str, str], str] = {
+    ("annot.lightning", "annot.engines.fsdp2"):
+        "the Lightning strategies are FSDP2's (ModelParallelStrategy)",
+    ("annot.memory.engine_memory", "annot.engines.deepspeed_config"):
+        "the memory model reads the DeepSpeed config annot writes (pitfall 16)",
+    ("annot.memory.report", "annot.engines.deepspeed_config"):
+        "the memory model reads the DeepSpeed config annot writes (pitfall 16)",
+}
 # The names policies/ and rewriter/ had before they became subpackages of annot.
 OLD_TOP_LEVEL = ("policies", "rewriter")
 
@@ -70,6 +95,19 @@ def under(name: str, prefix: str) -> bool:
 
 def under_any(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(under(name, p) for p in prefixes)
+
+
+def engine_of(name: str) -> str | None:
+    """The engine whose module ``name`` is (``annot.engines.deepspeed_state``: deepspeed),
+    or None for a generic module."""
+    prefix = ENGINES + "."
+    if not name.startswith(prefix):
+        return None
+    leaf = name[len(prefix):].split(".")[0]
+    for engine in ENGINE_NAMES:
+        if leaf == engine or leaf.startswith(engine + "_"):
+            return engine
+    return None
 
 
 @dataclass(frozen=True)
@@ -216,8 +254,9 @@ def describe(name: str) -> str:
     return f"{name} ({LAYERS[layer][0]})" if layer is not None else name
 
 
-def check(root: Path) -> tuple[list[str], list[str], list[str]]:
-    """The report: (cycle lines, direction violation lines, engine-internal lines)."""
+def check(root: Path) -> tuple[list[str], list[str], list[str], list[str]]:
+    """The report: (cycle lines, direction violation lines, engine-internal lines,
+    engine-module lines)."""
     modules = find_modules(root)
     known = set(modules)
     imports: list[Import] = []
@@ -252,6 +291,7 @@ def check(root: Path) -> tuple[list[str], list[str], list[str]]:
         violations.append(f"{modules[name].path}: {name} has no layer: add it to LAYERS in "
                           f".ci/check_imports.py and to the table in docs/design.md")
     engine_internals: list[str] = []
+    engine_modules: list[str] = []
     for imp in imports:
         src, dst = imp.source, imp.target
         where = imp.where(modules)
@@ -284,7 +324,25 @@ def check(root: Path) -> tuple[list[str], list[str], list[str]]:
                                   f"layer imports a higher one ({imp.text})")
         if not under(src, ENGINES) and any(under_any(n, ENGINE_INTERNALS) for n in imp.names):
             engine_internals.append(f"{where}: {src} imports {dst} ({imp.text})")
-    return cycles, violations, engine_internals
+        line = _engine_module_import(src, dst, where, imp.text) if dst in known else None
+        if line:
+            engine_modules.append(line)
+    return cycles, violations, engine_internals, engine_modules
+
+
+def _engine_module_import(src: str, dst: str, where: str, text: str) -> str | None:
+    """The report line for ``src`` importing ``dst`` if that breaks the engine contract."""
+    engine, src_engine = engine_of(dst), engine_of(src)
+    if engine is None or src_engine == engine or src in ENGINE_DISPATCH:
+        return None
+    if src_engine is not None:
+        return (f"{where}: {src} ({src_engine}) imports {dst}, a module of engine {engine}: "
+                f"an engine's modules import only their own engine's ({text})")
+    if (src, dst) in ENGINE_AWARE:
+        return None
+    return (f"{where}: {src} imports {dst}, a module of engine {engine}: generic modules ask "
+            f"the engine contract (annot.engines.base, found through annot.engines.registry) "
+            f"({text})")
 
 
 def main(argv: list[str]) -> int:
@@ -296,20 +354,22 @@ def main(argv: list[str]) -> int:
         print(f"check_imports: no {PACKAGE}/ under {root}", file=sys.stderr)
         return 2
     try:
-        cycles, violations, engine_internals = check(root)
+        cycles, violations, engine_internals, engine_modules = check(root)
     except SyntaxError as e:
         print(f"check_imports: {e.filename}:{e.lineno}: {e.msg}", file=sys.stderr)
         return 2
     n_cycles = sum(1 for line in cycles if line.startswith("cycle "))
     for title, lines in (("import cycles", cycles), ("direction violations", violations),
-                         ("engine internals outside engines", engine_internals)):
+                         ("engine internals outside engines", engine_internals),
+                         ("engine modules outside their engine", engine_modules)):
         if lines:
             print(f"{title}:")
             for line in lines:
                 print(f"  {line}")
     print(f"cycles: {n_cycles}, direction violations: {len(violations)}, "
-          f"engine internals outside engines: {len(engine_internals)}")
-    return 1 if n_cycles or violations or engine_internals else 0
+          f"engine internals outside engines: {len(engine_internals)}, "
+          f"engine modules outside their engine: {len(engine_modules)}")
+    return 1 if n_cycles or violations or engine_internals or engine_modules else 0
 
 
 if __name__ == "__main__":

@@ -38,10 +38,10 @@ import torch
 
 from annot.checkpoint_io import commit
 from annot.checkpoint_io.dcp_metadata import SafeFileSystemReader, read_metadata
-from annot.engines.base import Trainable
-from annot.engines.layout import shard_layout
+from annot.engines.base import EngineState, Trainable
+from annot.engines.registry import ENGINES, get_engine
 from annot.engines.rng_state import rng_states, set_rng_states
-from annot.engines.training_state import EngineState, FlatState, TorchState
+from annot.engines.training_state import TorchState
 from annot.errors import CheckpointError
 from annot.process_group import barrier, rank_and_world
 
@@ -98,14 +98,12 @@ def _json_checked(value: Any, what: str) -> Any:
 
 
 def engine_state(trainable: Trainable) -> EngineState:
-    """The `EngineState` of ``trainable``'s engine (DeepSpeed's imported only for it)."""
-    if trainable.engine == "deepspeed":
-        from annot.engines.deepspeed_state import DeepSpeedState
-
-        return DeepSpeedState(trainable)
-    if trainable.engine == "fsdp1":
-        return FlatState(trainable, shard_layout(trainable.module))
-    return TorchState(trainable)
+    """The `EngineState` ``trainable``'s engine saves and loads with (`Engine.state`); a
+    `Trainable` of the user's own making (a plain module, engine ``"local"``) goes
+    through torch's state-dict API, which reads such a module as it is."""
+    if trainable.engine not in ENGINES:
+        return TorchState(trainable)
+    return get_engine(trainable.engine).state(trainable)
 
 
 # -- save ----------------------------------------------------------------------------------

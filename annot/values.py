@@ -1,7 +1,9 @@
 """`annot.materialize`, `annot.load`, `annot.save` on a model any engine has sharded.
 
 The work is engine-blind (`annot.meta.materialization`, `annot.checkpoint_io`); this
-module asks the engines where this rank keeps each parameter and passes that along.
+module asks the engines (`annot.engines.layout`, through the engine contract, never an
+engine's module) where this rank keeps each parameter, passes that along, and tells them
+afterwards what was written.
 """
 
 from __future__ import annotations
@@ -12,22 +14,32 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from annot._deprecation import warn_deprecated
 from annot.checkpoint_io import loading, saving
 from annot.checkpoint_io.loading import LoadReport
 from annot.engines.base import Trainable
-from annot.engines.deepspeed import refresh_secondary_partitions
-from annot.engines.layout import shard_layout
+from annot.engines.layout import after_write, shard_layout
 from annot.meta import materialization
 
 __all__ = ["load", "materialize", "save"]
 
 
 def materialize(model: nn.Module, *, device: torch.device | str | None = None,
-                progress: bool | None = None) -> nn.Module:
+                progress: bool | None = None,
+                skip: set[str] | frozenset[str] | None = None) -> nn.Module:
     """Give a `meta_init` model its values, only this rank's shards of a sharded one
-    (`annot.meta.materialization.materialize`). Returns the model."""
-    materialization.materialize(model, device=device, progress=progress, layout=shard_layout(model))
-    refresh_secondary_partitions(model)  # ZeRO++ hpZ's copies of what was just written
+    (`annot.meta.materialization.materialize`). Returns the model.
+
+    ``skip`` (deprecated, removed in 0.3.0): names of parameters the caller fills itself,
+    whose initialization is not replayed; `annot.load` and ``auto_wrap(..., load_from=)``
+    skip what their checkpoint provides by themselves."""
+    if skip is not None:
+        warn_deprecated("annot.materialize(skip=...)",
+                        "annot.load(model, path) or auto_wrap(..., load_from=path), which skip "
+                        "what the checkpoint provides")
+    materialization.materialize(model, device=device, progress=progress,
+                                skip=frozenset(skip or ()), layout=shard_layout(model))
+    after_write(model)
     return model
 
 
@@ -42,7 +54,7 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
     the model lives)."""
     report = loading.load(model, path, strict=strict, device=device, layout=shard_layout(model),
                           dcp=dcp, prefix=prefix, mmap=mmap)
-    refresh_secondary_partitions(model)  # ZeRO++ hpZ's copies of what was just written
+    after_write(model)
     return report
 
 

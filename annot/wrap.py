@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 from torch import nn
 
+from annot._deprecation import moved_attribute
 from annot.checkpoint_io.loading import check_compatible, load_logged
 from annot.engines import checks
 from annot.engines.base import OptimizerFactory, Trainable, WrapRequest
@@ -24,9 +25,7 @@ from annot.planning import resolve_plan
 from annot.policies import Plan, Policy, Rule
 
 if TYPE_CHECKING:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from annot.engines.fsdp1 import FullyShardedDataParallel
+    from annot.engines.base import DistributedDataParallel, FullyShardedDataParallel
 
 __all__ = ["auto_wrap"]
 
@@ -164,3 +163,14 @@ def _deferred(model: nn.Module) -> bool:
         return True
     checks.check_not_meta(model)
     return False
+
+
+def __getattr__(name: str) -> Any:
+    """Names this module exported until 0.2.0, now defined where they belong, reached
+    here with a `DeprecationWarning` until 0.3.0 (``resolve_plan``, also exported then,
+    is still imported here and so still reached plainly)."""
+    from annot.engines import registry
+
+    if name in ("ENGINES", "resolve_engine"):
+        return moved_attribute(__name__, registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

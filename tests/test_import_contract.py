@@ -5,6 +5,7 @@ small synthetic packages written to a temporary directory."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,8 @@ CLEAN = {
     "annot/engines/fsdp2.py": "import torch.distributed.fsdp\nfrom . import checks\n"
                               "from annot.runtime.units import x\n",
     "annot/engines/checks.py": "def f():\n    import deepspeed\n",
-    "annot/wrap.py": "from annot.engines import fsdp2\nfrom annot.planning import plan\n",
+    "annot/engines/registry.py": "def get_engine():\n    from annot.engines.fsdp2 import FSDP2\n",
+    "annot/wrap.py": "from annot.engines import registry\nfrom annot.planning import plan\n",
     "annot/cli/__init__.py": "",
     "annot/cli/main.py": "def main():\n    from annot.rewriter.cli import main\n",
     "policies/__init__.py": "from annot.policies.plan import Plan\n",
@@ -75,7 +77,8 @@ def test_clean_package_passes(tmp_path: Path) -> None:
     proc = run_checker(make_package(tmp_path))
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.splitlines()[-1] == (
-        "cycles: 0, direction violations: 0, engine internals outside engines: 0")
+        "cycles: 0, direction violations: 0, engine internals outside engines: 0, "
+        "engine modules outside their engine: 0")
 
 
 def test_planted_cycle_is_reported_with_its_edges(tmp_path: Path) -> None:
@@ -116,8 +119,10 @@ def test_planted_policies_violation_under_type_checking(tmp_path: Path) -> None:
     # named by the link, not by the folder it points to
     assert "annot/policies/plan.py:3: policies imports torch.distributed" in out
     assert "annot/policies/plan.py:4: policies imports annot.engines.fsdp2" in out
+    # the second is also a generic module importing an engine's module
     assert out.splitlines()[-1] == (
-        "cycles: 0, direction violations: 2, engine internals outside engines: 0")
+        "cycles: 0, direction violations: 2, engine internals outside engines: 0, "
+        "engine modules outside their engine: 1")
 
 
 def test_rewriter_may_import_stdlib_and_libcst_only(tmp_path: Path) -> None:
@@ -153,9 +158,60 @@ def test_engine_internals_outside_engines(tmp_path: Path) -> None:
     assert "annot/meta/deferred.py:2: annot.meta.deferred imports deepspeed.comm" in out
     assert "annot/meta/deferred.py:3: annot.meta.deferred imports torch.distributed" in out
     assert out.splitlines()[-1] == (
-        "cycles: 0, direction violations: 0, engine internals outside engines: 2")
+        "cycles: 0, direction violations: 0, engine internals outside engines: 2, "
+        "engine modules outside their engine: 0")
 
 
 def test_module_missing_from_the_layer_table(tmp_path: Path) -> None:
     out = run_checker(make_package(tmp_path, {"annot/extra.py": ""})).stdout
     assert "annot.extra has no layer" in out
+
+
+def copy_of_annot(tmp_path: Path) -> Path:
+    """annot's own source (annot/, policies/, rewriter/, the links kept) in a scratch folder."""
+    root = tmp_path / "copy"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("annot", "policies", "rewriter"):
+        shutil.copytree(REPO / name, root / name, symlinks=True, ignore=skip)
+    return root
+
+
+@pytest.mark.slow  # two checker runs over the whole package: about 2.5 s
+def test_generic_module_importing_an_engine_module_is_rejected(tmp_path: Path) -> None:
+    root = copy_of_annot(tmp_path)
+    assert run_checker(root).returncode == 0, "the unmodified copy must pass"
+    values = root / "annot" / "values.py"
+    values.write_text(values.read_text()
+                      + "\nfrom annot.engines.deepspeed import refresh_secondary_partitions\n")
+    proc = run_checker(root)
+    assert proc.returncode == 1
+    assert ("annot.values imports annot.engines.deepspeed, a module of engine deepspeed: "
+            "generic modules ask the engine contract") in proc.stdout
+    assert proc.stdout.splitlines()[-1].endswith("engine modules outside their engine: 1")
+
+
+def test_an_engine_module_importing_another_engine_is_rejected(tmp_path: Path) -> None:
+    root = make_package(tmp_path, {
+        "annot/engines/fsdp1.py": "from annot.engines.fsdp2 import x\n",
+    })
+    out = run_checker(root).stdout
+    assert ("annot.engines.fsdp1 (fsdp1) imports annot.engines.fsdp2, a module of engine "
+            "fsdp2: an engine's modules import only their own engine's") in out
+
+
+def test_an_engine_imports_its_own_parts(tmp_path: Path) -> None:
+    root = make_package(tmp_path, {
+        "annot/engines/fsdp2_state.py": "from annot.engines.checks import f\n",
+        "annot/engines/fsdp2.py": "import torch.distributed.fsdp\nfrom . import fsdp2_state\n",
+    })
+    proc = run_checker(root)
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_a_part_named_after_an_engine_is_that_engines(tmp_path: Path) -> None:
+    root = make_package(tmp_path, {
+        "annot/engines/fsdp2_state.py": "",
+        "annot/engines/layout.py": "from annot.engines import fsdp2_state\n",
+    })
+    out = run_checker(root).stdout
+    assert "annot.engines.layout imports annot.engines.fsdp2_state, a module of engine fsdp2" in out

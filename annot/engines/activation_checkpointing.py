@@ -10,15 +10,16 @@ engines' hooks run around the swapped forward, inside each unit).
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
-from annot.engines.deepspeed import _without_shared_parameters, deepspeed_checkpoint
+from annot.engines.base import Engine
+from annot.engines.registry import get_engine
 from annot.huggingface.model import prepare_for_training
 from annot.planning import resolve_plan
-from annot.policies import Action, Plan, Policy, Rule
+from annot.policies import Plan, Policy, Rule
 from annot.runtime.activation_checkpoint import apply_checkpointing as _apply
-from annot.runtime.activation_checkpoint import torch_checkpoint
-from annot.runtime.units import unit_paths
 
 __all__ = ["apply_checkpointing"]
 
@@ -47,14 +48,15 @@ def apply_checkpointing(
     """
     if engine not in ("torch", "deepspeed"):
         raise ValueError(f"engine must be 'torch' or 'deepspeed', got {engine!r}")
+    # The engine says what it checkpoints and with which function (the engine contract);
+    # "torch" is the contract's defaults, which every torch engine keeps.
+    steps: Engine[Any] = Engine() if engine == "torch" else get_engine(engine)
     plan = resolve_plan(model, policy)
-    paths = unit_paths(plan, Action.CHECKPOINT, checkpoint)
-    if engine == "deepspeed":
-        paths = _without_shared_parameters(model, paths)
+    paths = steps.checkpoint_paths(model, plan, checkpoint)
     if not paths and checkpoint is not False:
         raise ValueError(
             f"the Plan of {type(model).__name__} checkpoints no module"
             + (" that DeepSpeed can (tied weights)" if engine == "deepspeed" else "")
             + ": pass checkpoint=True (every unit) or a policy with checkpoint=...")
     prepare_for_training(model, checkpointing=bool(paths))
-    return _apply(model, paths, deepspeed_checkpoint if engine == "deepspeed" else torch_checkpoint)
+    return _apply(model, paths, steps.checkpoint_function())

@@ -16,6 +16,21 @@ the order of the steps and calls them in it (docs/design.md, "Engine contract"):
 6. `Engine.trainable`: with an optimizer factory, the uniform training surface
    `Trainable` (``backward``, ``step``, ``zero_grad``), so a training loop never
    branches on the engine; with fp16 compute it scales the loss (`Engine.loss_scaler`).
+
+After wrapping, the generic modules ask the engine, never import it
+(docs/design.md, "Engine contract"):
+
+- `Engine.layout`: where this rank keeps a model's parameters (`annot.materialize`,
+  `annot.load`, `annot.save`; asked of every engine through `annot.engines.layout`);
+- `Engine.after_write`: annot wrote values into those parameters; refresh any copy the
+  engine keeps of them (ZeRO++ hpZ);
+- `Engine.state`: the `EngineState` that saves and loads a `Trainable`'s model and
+  optimizer state (`annot.save_state` / `annot.load_state`);
+- `Engine.checkpoint_function`: the run-time activation checkpoint to call inside a
+  unit (`Engine.prepare`, `annot.apply_checkpointing`).
+
+The engines themselves are found by name in `annot.engines.registry`, the one generic
+module that imports an engine's module.
 """
 
 from __future__ import annotations
@@ -25,27 +40,37 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
 
+from annot._deprecation import warn_deprecated
 from annot.checkpoint_io.loading import load_logged
 from annot.errors import EngineNotAvailableError
 from annot.meta.layout import WHOLE, ShardLayout
 from annot.meta.materialization import materialize
 from annot.policies import Action, Plan
-from annot.runtime.activation_checkpoint import apply_checkpointing
+from annot.runtime.activation_checkpoint import CheckpointFn, apply_checkpointing, torch_checkpoint
 from annot.runtime.activation_offload import apply_activation_offload, offloaded_activation_paths
 from annot.runtime.units import unit_paths
 
 if TYPE_CHECKING:
     from torch.amp import GradScaler
 
+    # What the torch engines return, named here so that generic modules (auto_wrap's
+    # overloads) can type it without importing an engine's module.
+    from torch.distributed.fsdp import FullyShardedDataParallel as FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel as DistributedDataParallel
+
 __all__ = [
     "INIT_SCALE",
+    "CheckpointFunction",
     "Engine",
+    "EngineState",
     "OptimizerFactory",
+    "Reader",
+    "RenamedOption",
     "Trainable",
     "WrapRequest",
     "checkpoint_and_offload_activations",
@@ -58,6 +83,10 @@ __all__ = [
 ]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+#: A run-time activation checkpoint: ``(function, *args, **kwargs)`` -> the function's output.
+CheckpointFunction = CheckpointFn
+#: Reads the saved checkpoint into a state dict, in place (``dcp.load``).
+Reader = Callable[[dict[str, Any]], None]
 
 _log = logging.getLogger("annot")
 
@@ -229,7 +258,33 @@ def is_fp16(dtype: Any) -> bool:
     return getattr(dtype, "param_dtype", dtype) == torch.float16
 
 
+class EngineState(Protocol):
+    """What `annot.save_state` / `annot.load_state` ask of an engine (`Engine.state`).
+    The layout is torch's for distributed checkpoints (`annot.engines.training_state`)."""
+
+    def save_dict(self) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+        """``(state, param_groups, engine_extras)``: the tensors to hand to ``dcp.save``
+        (this rank's pieces), the optimizer's param groups as JSON-able data (``params``:
+        the bare names), and small engine counters (JSON-able)."""
+        ...
+
+    def load(self, read: Reader, keys: dict[str, Any], param_groups: list[dict[str, Any]],
+             engine_extras: dict[str, Any]) -> None:
+        """Read model and optimizer state with ``read``; ``keys`` is the checkpoint's
+        tensor metadata by key (shapes and dtypes, nothing read yet)."""
+        ...
+
+
 OptionsT = TypeVar("OptionsT")
+
+
+@dataclasses.dataclass(frozen=True)
+class RenamedOption:
+    """An engine option of the previous release, now spelled ``option``: ``convert``
+    maps the old value to the new option's value (and raises for a value that has none)."""
+
+    option: str
+    convert: Callable[[Any], Any]
 
 
 class Engine(Generic[OptionsT]):
@@ -248,6 +303,9 @@ class Engine(Generic[OptionsT]):
     requires_optimizer: ClassVar[bool] = False
     #: Option names other engines take -> what to use with this one instead.
     hints: ClassVar[dict[str, str]] = {}
+    #: Option names of the previous release this engine still takes, with a
+    #: `DeprecationWarning`, until the release `annot._deprecation.REMOVED_IN`.
+    deprecated_options: ClassVar[dict[str, RenamedOption]] = {}
 
     def options(self, given: OptionsT | None, **kwargs: Any) -> OptionsT:
         """The engine's options from an ``Options`` instance or keyword arguments."""
@@ -260,6 +318,7 @@ class Engine(Generic[OptionsT]):
                 raise TypeError(f"engine {self.name!r} takes {self.Options.__name__}, "
                                 f"not {type(given).__name__}")
             return given
+        kwargs = self._renamed(kwargs)
         fields = {f.name for f in dataclasses.fields(self.Options)}
         unknown = [k for k in kwargs if k not in fields]
         if unknown:
@@ -270,6 +329,25 @@ class Engine(Generic[OptionsT]):
                 + "".join(f". {h}" for h in hints if h))
         options: OptionsT = self.Options(**kwargs)
         return options
+
+    def _renamed(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` with each deprecated option replaced by the option and value that
+        mean the same now; an explicit new option that says otherwise is a `ValueError`."""
+        out = dict(kwargs)
+        for old, renamed in self.deprecated_options.items():
+            if old not in out:
+                continue
+            value = out.pop(old)
+            new_value = renamed.convert(value)
+            spelled = f"{renamed.option}={new_value!r}"
+            if renamed.option in out and out[renamed.option] != new_value:
+                raise ValueError(
+                    f"engine {self.name!r}: {old}={value!r} (deprecated) means {spelled}, "
+                    f"but {renamed.option}={out[renamed.option]!r} was passed too: pass "
+                    f"{renamed.option}= alone")
+            warn_deprecated(f"engine {self.name!r} option {old}={value!r}", spelled)
+            out[renamed.option] = new_value
+        return out
 
     def hint(self, option: str) -> str:
         """Why ``option`` is not this engine's, and what to use instead ("" if no hint)."""
@@ -285,15 +363,33 @@ class Engine(Generic[OptionsT]):
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: OptionsT,
                 checkpoint_paths: Sequence[str]) -> None:
-        """Install run-time tools inside the units: torch's non-reentrant checkpointing."""
-        apply_checkpointing(model, checkpoint_paths)
+        """Install run-time tools inside the units: `checkpoint_function` around each."""
+        apply_checkpointing(model, checkpoint_paths, self.checkpoint_function())
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: OptionsT) -> nn.Module:
         raise NotImplementedError
 
     def layout(self, wrapped: nn.Module) -> ShardLayout:
-        """Where this rank keeps ``wrapped``'s parameters (DTensors describe themselves)."""
+        """Where this rank keeps ``wrapped``'s parameters (DTensors describe themselves).
+        Asked of every engine about any model (`annot.engines.layout`): a model this
+        engine did not shard gives an empty layout."""
         return WHOLE
+
+    def after_write(self, model: nn.Module) -> None:
+        """annot just wrote values into the parameters this rank keeps (`annot.materialize`,
+        `annot.load`): bring any copy this engine keeps of them up to date. Asked of every
+        engine about any model; the default keeps no copy."""
+
+    def checkpoint_function(self) -> CheckpointFunction:
+        """The run-time activation checkpoint inside this engine's units: torch's
+        non-reentrant one."""
+        return torch_checkpoint
+
+    def state(self, trainable: Trainable) -> EngineState:
+        """How ``trainable``'s model and optimizer state is saved and loaded
+        (`annot.save_state`); an engine without one cannot save training state."""
+        raise EngineNotAvailableError(
+            f"engine {self.name!r} cannot save or load a training state (annot.save_state)")
 
     def fill(self, wrapped: nn.Module, request: WrapRequest) -> None:
         """Values for a deferred model, into the storage this rank keeps."""

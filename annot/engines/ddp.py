@@ -25,6 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from annot.engines.base import (
     INIT_SCALE,
     Engine,
+    EngineState,
+    Trainable,
     WrapRequest,
     checkpoint_and_offload_activations,
     is_fp16,
@@ -32,6 +34,7 @@ from annot.engines.base import (
     resolve_dtype,
 )
 from annot.engines.mesh import refuse_plan_dims
+from annot.engines.training_state import TorchState
 
 __all__ = ["DDP", "AutocastDDP", "DDPOptions", "apply_ddp"]
 
@@ -114,6 +117,10 @@ class AutocastDDP(DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autocast(self.device.type, dtype=self.autocast_dtype):
             return super().forward(*inputs, **kwargs)
+
+    def state(self, trainable: Trainable) -> EngineState:
+        """torch's distributed state-dict API, which gives the layout as it is."""
+        return TorchState(trainable)
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device,

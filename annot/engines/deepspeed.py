@@ -31,18 +31,25 @@ import torch
 from torch import nn
 
 from annot.engines.base import (
+    CheckpointFunction,
     Engine,
+    EngineState,
     OptimizerFactory,
+    RenamedOption,
     Trainable,
     WrapRequest,
     resolve_dtype,
     trained_parameters,
 )
 from annot.engines.deepspeed_config import deepspeed_config
+from annot.engines.deepspeed_partitions import (
+    partition_range,
+    refresh_secondary_partitions,
+    shard_layout,
+)
 from annot.engines.dtypes import refuse_deepspeed_dtypes
 from annot.engines.mesh import refuse_plan_dims
-from annot.meta.deferred import DeferredInitError
-from annot.meta.layout import FlatPart, ShardLayout
+from annot.meta.layout import ShardLayout
 from annot.meta.unit_allocation import UnitAllocator
 from annot.policies import Action, Plan, Rule
 from annot.policies.model_index import ModelIndex
@@ -174,6 +181,14 @@ class DeepSpeedOptions:
                 "hpz_partition_size=...)), not here")
 
 
+def _stage_of_reshard(reshard_after_forward: Any) -> int:
+    """The ZeRO stage ``reshard_after_forward`` meant before 0.2.0."""
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"engine 'deepspeed': reshard_after_forward (deprecated: use stage=) "
+                        f"takes True or False, not {reshard_after_forward!r}")
+    return 3 if reshard_after_forward else 2
+
+
 class DeepSpeed(Engine[DeepSpeedOptions]):
     """DeepSpeed ZeRO 1-3; `trainable` runs ``deepspeed.initialize``."""
 
@@ -186,9 +201,11 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
     def __init__(self) -> None:
         self.config: dict[str, Any] = {}
 
+    # Until 0.2.0 auto_wrap took reshard_after_forward for every engine; for DeepSpeed it
+    # chose the stage (True: 3, the default then; False: 2) when config= was not given.
+    deprecated_options = {"reshard_after_forward": RenamedOption("stage", _stage_of_reshard)}
+
     hints = {
-        "reshard_after_forward": "DeepSpeed's ZeRO stage says it: stage=3 frees gathered "
-                                 "parameters after forward, stage=2 keeps them",
         "offload_activations": "use DeepSpeed's own annot.deepspeed_config(..., "
                                "cpu_checkpointing=True) as config=",
         "mesh": "DeepSpeed partitions over the default process group; its hierarchical "
@@ -235,7 +252,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         deepspeed.init_distributed(dist_backend=dist.get_backend())
         if checkpoint_paths:
             deepspeed.checkpointing.configure(None, deepspeed_config=self.config)
-        apply_checkpointing(model, checkpoint_paths, deepspeed_checkpoint)
+        apply_checkpointing(model, checkpoint_paths, self.checkpoint_function())
         if options.leaf_modules is not None:
             set_leaf_modules(model, options.leaf_modules)
 
@@ -251,6 +268,21 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
     def fill(self, wrapped: nn.Module, request: WrapRequest) -> None:
         super().fill(wrapped, request)
         refresh_secondary_partitions(wrapped)
+
+    def after_write(self, model: nn.Module) -> None:
+        """ZeRO++ hpZ's secondary partitions were cut from the values before the write:
+        drop them (docs/design.md, pitfall 27)."""
+        refresh_secondary_partitions(model)
+
+    def checkpoint_function(self) -> CheckpointFunction:
+        """DeepSpeed's checkpoint, so the config's ``partition_activations`` and
+        ``cpu_checkpointing`` apply."""
+        return deepspeed_checkpoint
+
+    def state(self, trainable: Trainable) -> EngineState:
+        from annot.engines.deepspeed_state import DeepSpeedState
+
+        return DeepSpeedState(trainable)
 
     def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
                   options: DeepSpeedOptions, device: torch.device | None = None) -> Trainable:
@@ -359,58 +391,3 @@ def _hpz_group(config: dict[str, Any]) -> Any:
             f"hpz_partition_size={size}, but DeepSpeed already made its hpZ groups of "
             f"{existing} ranks in this process (it keeps one): use {existing}")
     return group
-
-
-def refresh_secondary_partitions(model: nn.Module) -> None:
-    """Drop ZeRO++ hpZ's secondary partitions after annot wrote the primary ones
-    (materialize, load, a training state): they were cut from the values before, and the
-    next forward would gather them (wrong, silently; docs/design.md, pitfall 27).
-    Without them the next forward gathers the primary partitions and DeepSpeed cuts new
-    secondary ones when it releases the parameters, as it does after every step
-    (``invalidate_secondary_tensor``)."""
-    for param in model.parameters():
-        if getattr(param, "ds_secondary_tensor", None) is not None:
-            param.ds_secondary_tensor = None  # type: ignore[attr-defined]
-
-
-def shard_layout(model: nn.Module) -> ShardLayout:
-    """Where ZeRO-3 keeps ``model``'s parameters on this rank: partition ``r`` of each
-    flattened, padded parameter in its ``ds_tensor`` on rank ``r`` of the parameter's
-    group; a persisted (small) parameter also keeps its full value in ``.data``."""
-    parts: dict[int, list[FlatPart]] = {}
-    for param in model.parameters():
-        partition = getattr(param, "ds_tensor", None)
-        if partition is None:
-            continue
-        # OffloadDeviceEnum is a str enum. A partition swapped out to NVMe lives on disk,
-        # and writing into its in-memory placeholder would be silently lost.
-        if getattr(partition, "final_location", None) == "nvme":
-            raise DeferredInitError(
-                "a ZeRO-3 parameter partition is swapped out to NVMe (offload_param device "
-                "'nvme'), so it cannot be filled in place: materialize or load the model "
-                "before deepspeed.initialize (auto_wrap(..., load_from=...) does)")
-        numel, shape = param.ds_numel, tuple(param.ds_shape)  # type: ignore[attr-defined]
-        found = [FlatPart(partition, *partition_range(param), shape)]
-        if param.data.numel() == numel:
-            found.append(FlatPart(param.data.view(-1), 0, numel, shape))
-        parts[id(param)] = found
-    return ShardLayout(parts, engine="deepspeed", gather=_gather) if parts else ShardLayout()
-
-
-def partition_range(param: torch.Tensor) -> tuple[int, int]:
-    """The elements of ZeRO-3 ``param`` (flattened) that this rank's partition holds:
-    partition ``r`` of the padded parameter on rank ``r`` of its group, cut at its end."""
-    import deepspeed.comm
-
-    size, numel = param.ds_tensor.ds_numel, param.ds_numel  # type: ignore[attr-defined]
-    start = min(size * deepspeed.comm.get_rank(group=param.ds_process_group), numel)  # type: ignore[attr-defined]
-    return start, min(start + size, numel)
-
-
-def _gather(param: torch.Tensor) -> torch.Tensor:
-    """The whole of a ZeRO-3 parameter. One parameter per gather: gathering a long list at
-    once returned wrong halves on DeepSpeed 0.19 with gloo (measured)."""
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters([param]):
-        return param.detach().clone()

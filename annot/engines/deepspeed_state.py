@@ -13,7 +13,7 @@ and a state moves between engines and world sizes through DCP's resharding. No r
 holds more than its own partitions (read in place; ZeRO-3's go through DeepSpeed's
 ``safe_get_local_*`` / ``safe_set_local_*``).
 
-Where a parameter's range lies: stage 3, ``ds_tensor`` (as `annot.engines.deepspeed.
+Where a parameter's range lies: stage 3, ``ds_tensor`` (as `annot.engines.deepspeed_partitions.
 shard_layout` reads it) and DeepSpeed's public ``safe_get_local_fp32_param`` /
 ``safe_get_local_optimizer_state``; stages 1-2, which have no public local API, the
 fragment mapping DeepSpeed links each parameter to (``param._hp_mapping``, what its own
@@ -32,7 +32,11 @@ from torch import nn
 from annot.checkpoint_io.flat_chunks import FlatChunks
 from annot.checkpoint_io.loading import state_names
 from annot.engines.base import Trainable
-from annot.engines.deepspeed import partition_range, refresh_secondary_partitions, shard_layout
+from annot.engines.deepspeed_partitions import (
+    partition_range,
+    refresh_secondary_partitions,
+    shard_layout,
+)
 from annot.engines.training_state import Reader, groups_from_json, groups_to_json
 from annot.errors import CheckpointError
 from annot.meta.layout import ShardLayout

@@ -35,6 +35,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from annot.engines.base import (
     INIT_SCALE,
     Engine,
+    EngineState,
     OptimizerFactory,
     Trainable,
     WrapRequest,
@@ -46,6 +47,7 @@ from annot.engines.base import (
 from annot.engines.dtypes import refuse_fsdp1_dtypes
 from annot.engines.mesh import MeshLike, data_parallel_mesh, resolve_mesh
 from annot.engines.tool_policy import PlanPolicy
+from annot.engines.training_state import FlatState
 from annot.errors import EngineNotAvailableError
 from annot.meta.deferred import DeferredInitError
 from annot.meta.layout import FlatPart, ShardLayout
@@ -147,6 +149,10 @@ class FSDP1(Engine[FSDP1Options]):
         base = super().trainable(wrapped, model, optimizer, options, device)
         return FSDP1Trainable(base.module, base.model, base.optimizer, base.engine,
                               scaler=base.scaler)
+
+    def state(self, trainable: Trainable) -> EngineState:
+        """This rank's flat ranges as chunks of the real tensors (docs/design.md, pitfall 24)."""
+        return FlatState(trainable, self.layout(trainable.module))
 
 
 class FSDP1Trainable(Trainable):

@@ -39,6 +39,8 @@ from torch.distributed.tensor import DTensor
 from annot.engines.base import (
     INIT_SCALE,
     Engine,
+    EngineState,
+    Trainable,
     WrapRequest,
     checkpoint_and_offload_activations,
     is_fp16,
@@ -55,6 +57,7 @@ from annot.engines.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
 )
+from annot.engines.training_state import TorchState
 from annot.policies import Action, Plan, Unit
 from annot.policies.parallel import ParallelDims
 
@@ -179,6 +182,10 @@ class FSDP2(Engine[FSDP2Options]):
             mixed_precision=cast("MixedPrecisionPolicy | torch.dtype | None", options.mixed_precision),
             reshard_after_forward=options.reshard_after_forward, mesh=self.mesh,
             device=request.device)
+
+    def state(self, trainable: Trainable) -> EngineState:
+        """torch's distributed state-dict API, which gives the layout as it is."""
+        return TorchState(trainable)
 
 
 def holds_fsdp2(module: nn.Module) -> bool:

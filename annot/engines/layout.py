@@ -1,16 +1,26 @@
-"""Which engine sharded a model, asked of each engine module in turn."""
+"""Questions about a model whichever engine wrapped it, asked of every engine in turn."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from annot.engines import deepspeed, fsdp1
-from annot.meta.layout import ShardLayout
+from annot.engines.registry import all_engines
+from annot.meta.layout import WHOLE, ShardLayout
 
-__all__ = ["shard_layout"]
+__all__ = ["after_write", "shard_layout"]
 
 
 def shard_layout(model: nn.Module) -> ShardLayout:
     """Where this rank keeps ``model``'s parameters, whichever engine sharded it (FSDP2
     parameters are DTensors, which describe themselves: an empty layout)."""
-    return fsdp1.shard_layout(model).merged(deepspeed.shard_layout(model))
+    layout = WHOLE
+    for engine in all_engines():
+        layout = layout.merged(engine.layout(model))
+    return layout
+
+
+def after_write(model: nn.Module) -> None:
+    """Tell every engine that annot wrote values into ``model``'s parameters on this
+    rank (`annot.engines.base.Engine.after_write`: ZeRO++ hpZ's copies are dropped)."""
+    for engine in all_engines():
+        engine.after_write(model)

@@ -1,4 +1,9 @@
-"""Engine names, resolved here and nowhere else."""
+"""Engine names, resolved here and nowhere else.
+
+The one generic module that imports an engine's module (`.ci/check_imports.py`
+enforces it): everything else asks an `Engine` found here, by name (`get_engine`) or
+all of them (`all_engines`), for what it needs (docs/design.md, "Engine contract").
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from typing import Any
 
 from annot.engines.base import Engine
 
-__all__ = ["ENGINES", "get_engine", "resolve_engine"]
+__all__ = ["ENGINES", "all_engines", "get_engine", "resolve_engine"]
 
 # Every engine name a user may write -> the canonical one.
 ENGINES: dict[str, str] = {
@@ -47,3 +52,9 @@ def get_engine(engine: str) -> Engine[Any]:
     from annot.engines.deepspeed import DeepSpeed
 
     return DeepSpeed()
+
+
+def all_engines() -> list[Engine[Any]]:
+    """A new `Engine` of every engine, for questions asked of a model whichever engine
+    wrapped it (`annot.engines.layout`)."""
+    return [get_engine(name) for name in sorted(set(ENGINES.values()))]

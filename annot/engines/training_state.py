@@ -22,14 +22,13 @@ are returned as JSON-able data, kept out of DCP's pickled objects.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 
 from annot.checkpoint_io.flat_chunks import FlatChunks
 from annot.checkpoint_io.loading import state_names
-from annot.engines.base import Trainable
+from annot.engines.base import EngineState, Reader, Trainable
 from annot.errors import CheckpointError
 from annot.meta.layout import ShardLayout
 
@@ -37,25 +36,6 @@ __all__ = [
     "EngineState", "FlatState", "Reader", "TorchState", "groups_from_json", "groups_to_json",
     "init_optimizer_state",
 ]
-
-#: Reads the saved checkpoint into a state dict of this layout, in place (``dcp.load``).
-Reader = Callable[[dict[str, Any]], None]
-
-
-class EngineState(Protocol):
-    """What `annot.save_state` / `annot.load_state` ask of an engine."""
-
-    def save_dict(self) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
-        """``(state, param_groups, engine_extras)``: the tensors to hand to ``dcp.save``
-        (this rank's pieces), the optimizer's param groups as JSON-able data (``params``:
-        the bare names), and small engine counters (JSON-able)."""
-        ...
-
-    def load(self, read: Reader, keys: dict[str, Any], param_groups: list[dict[str, Any]],
-             engine_extras: dict[str, Any]) -> None:
-        """Read model and optimizer state with ``read``; ``keys`` is the checkpoint's
-        tensor metadata by key (shapes and dtypes, nothing read yet)."""
-        ...
 
 
 class TorchState:

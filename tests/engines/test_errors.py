@@ -103,7 +103,6 @@ def test_ddp_keeps_parameters_so_an_earlier_optimizer_is_allowed(one_rank):
         ("fsdp1", dict(offload_activations=True), "no option 'offload_activations'.*'fsdp2' or 'ddp'"),
         ("fsdp2", dict(config={}), "no option 'config'.*engine='deepspeed'"),
         ("fsdp2", dict(leaf_modules=["MLP"]), "no option 'leaf_modules'"),
-        ("deepspeed", dict(reshard_after_forward=False), "no option 'reshard_after_forward'.*stage=2"),
         ("deepspeed", dict(offload_activations=True), "cpu_checkpointing=True"),
     ],
 )
