@@ -51,8 +51,9 @@ def test_plan_group_tied_and_offload_flags(capsys):
                        "--offload", "class:Block", "--offload-to", "nvme", "--group-tied", "--json")
     assert code == 0
     units = json.loads(out)["units"]
-    assert units[0]["group"] == ["lm_head"]
-    assert units[-1]["offload_to"] == "nvme"
+    [grouped] = [u for u in units if u.get("group")]
+    assert grouped["path"] == "transformer.wte" and grouped["group"] == ["lm_head"]
+    assert {u["path"]: u.get("offload_to") for u in units}["transformer.h.3"] == "nvme"
 
 
 def test_plan_hf_architecture(capsys):

@@ -31,6 +31,7 @@ PUBLIC_NAMES = [
     "PolicySelectionError",
     "PretrainedPathError",
     "ProcessGroupNotInitializedError",
+    "ResumableLoader",
     "Trainable",
     "apply_checkpointing",
     "auto_wrap",
