@@ -69,7 +69,9 @@ class FlatChunks(torch.Tensor):
     ``pieces``: ``(start, stop, local)`` with ``local`` a contiguous tensor of at least
     ``stop - start`` elements (read flattened) holding (save) or receiving (load) elements
     ``[start, stop)`` of the flattened tensor. DCP reads from and writes into views of
-    ``local``, so a load lands in place. Placeholders have no storage of their own.
+    ``local``, so a load lands in place. Placeholders have no storage of their own, but
+    for the staged copy DCP's asynchronous save makes (``zeros_like``): its chunks are
+    views of one buffer of the elements this rank holds.
     """
 
     _boxes: dict[tuple[int, ...], torch.Tensor]
