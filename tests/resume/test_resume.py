@@ -27,6 +27,10 @@ ENGINES = ["fsdp2", "fsdp1", "ddp", "zero2", "zero3"]
 # Trains in bf16, so apart from the fp32 engines (which agree among themselves to 1e-6);
 # resumed on itself only.
 BF16 = "zero1-bf16"
+# Saved and resumed in this one order. An engine built earlier in a process can move a
+# later one's results in the last bits: DDP and ZeRO-1 bf16 resumed in a process that
+# had run ZeRO-2 alone ended off their uninterrupted runs' bits (which had followed
+# FSDP2, FSDP1, ZeRO-2 and ZeRO-3), with the same losses; in the same order, bitwise.
 SAME = [*ENGINES, BF16]
 CROSS = ["fsdp2:zero3", "zero3:fsdp2", "fsdp1:fsdp2", "fsdp2:fsdp1"]
 ON_ONE = ["fsdp2:fsdp2", "fsdp1:fsdp1", "ddp:ddp", "zero2:zero2", "zero3:zero3", "zero3:fsdp2"]
