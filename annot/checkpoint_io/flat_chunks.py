@@ -13,7 +13,13 @@ row shards or whole tensors write, and each loads into the other.
 ``dcp.load``: a tensor placeholder of the full shape (no storage) that speaks DCP's
 chunk protocol (the ``__create_write_items__`` / ``__create_chunk_list__`` /
 ``__get_tensor_shard__`` hooks DTensor implements). Any other operation on it is an
-error.
+error, but for the three DCP's asynchronous save stages it with
+(``torch.distributed._state_dict_utils``: ``zeros_like`` on the CPU, then ``copy_``):
+``zeros_like`` / ``empty_like`` give a `FlatChunks` of the same chunks whose views are
+storage of its own, as many elements as this rank holds (never the full shape), and
+``copy_`` copies chunk by chunk between two such placeholders. So an asynchronous save
+snapshots exactly this rank's pieces, and the engine's memory is free to change while
+the snapshot is written.
 """
 
 from __future__ import annotations
@@ -63,7 +69,9 @@ class FlatChunks(torch.Tensor):
     ``pieces``: ``(start, stop, local)`` with ``local`` a contiguous tensor of at least
     ``stop - start`` elements (read flattened) holding (save) or receiving (load) elements
     ``[start, stop)`` of the flattened tensor. DCP reads from and writes into views of
-    ``local``, so a load lands in place. Placeholders have no storage of their own.
+    ``local``, so a load lands in place. Placeholders have no storage of their own, but
+    for the staged copy DCP's asynchronous save makes (``zeros_like``): its chunks are
+    views of one buffer of the elements this rank holds.
     """
 
     _boxes: dict[tuple[int, ...], torch.Tensor]
@@ -73,7 +81,6 @@ class FlatChunks(torch.Tensor):
     def __new__(cls, shape: Sequence[int], dtype: torch.dtype,
                 pieces: Sequence[tuple[int, int, torch.Tensor]]) -> FlatChunks:
         device = pieces[0][2].device if pieces else torch.device("cpu")
-        self = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
         boxes: dict[tuple[int, ...], torch.Tensor] = {}
         for start, stop, local in pieces:
             if not local.is_contiguous() or local.numel() < stop - start:
@@ -85,18 +92,66 @@ class FlatChunks(torch.Tensor):
                 count = math.prod(sizes)
                 boxes[offsets] = local[position:position + count].view(sizes)
                 position += count
-        self._boxes = boxes
-        self._chunk_dtype = dtype
-        return self
+        return cls._of_boxes(shape, dtype, device, boxes)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"FlatChunks(shape={tuple(self.shape)}, boxes={len(self._boxes)})"
 
     @classmethod
+    def _of_boxes(cls, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                  boxes: dict[tuple[int, ...], torch.Tensor]) -> FlatChunks:
+        """A placeholder whose chunks are ``boxes`` (offsets -> a view of that box's shape)."""
+        self = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
+        self._boxes = boxes
+        self._chunk_dtype = dtype
+        return self
+
+    def _like(self, fill: str, dtype: torch.dtype | None, device: torch.device | None,
+              pin_memory: bool | None) -> FlatChunks:
+        """The same chunks in new memory (one buffer of the held elements, each chunk a
+        view of it): DCP's staging buffer for an asynchronous save."""
+        dtype = dtype or self._chunk_dtype
+        device = torch.device(device) if device is not None else self.device
+        total = sum(view.numel() for view in self._boxes.values())
+        make = torch.zeros if fill == "zeros" else torch.empty
+        buffer = make(total, dtype=dtype, device=device, pin_memory=bool(pin_memory))
+        boxes: dict[tuple[int, ...], torch.Tensor] = {}
+        position = 0
+        for offsets, view in self._boxes.items():
+            boxes[offsets] = buffer[position:position + view.numel()].view(view.shape)
+            position += view.numel()
+        return FlatChunks._of_boxes(self.shape, dtype, device, boxes)
+
+    def _copy_from(self, source: Any, non_blocking: bool) -> FlatChunks:
+        if not isinstance(source, FlatChunks) or source._boxes.keys() != self._boxes.keys():
+            raise TypeError(f"FlatChunks.copy_ copies between placeholders of the same chunks "
+                            f"(DCP's staging), not from {type(source).__name__}")
+        for offsets, view in self._boxes.items():
+            view.copy_(source._boxes[offsets], non_blocking=non_blocking)
+        return self
+
+    @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
                            kwargs: Any = None) -> Any:
-        if func is torch.ops.aten.detach.default:
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten.detach.default:
             return args[0]
+        # What DCP's asynchronous staging does to a tensor with no storage of its own
+        # (torch.distributed._state_dict_utils._create_cpu_state_dict / _copy_state_dict).
+        if func in (aten.zeros_like.default, aten.empty_like.default) and isinstance(args[0], FlatChunks):
+            if kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
+                raise TypeError(f"FlatChunks: {func} with memory_format={kwargs['memory_format']} "
+                                "is not defined (its chunks are contiguous)")
+            return args[0]._like("zeros" if func is aten.zeros_like.default else "empty",
+                                 kwargs.get("dtype"), kwargs.get("device"), kwargs.get("pin_memory"))
+        if func is aten.copy_.default:
+            if not isinstance(args[0], FlatChunks):
+                raise TypeError(
+                    f"a FlatChunks placeholder cannot be copied into a plain {type(args[0]).__name__} "
+                    f"of shape {tuple(args[0].shape)} (this rank holds part of it only; DCP's "
+                    "asynchronous staging does so for 0-d tensors): save it with async_save=False")
+            return args[0]._copy_from(args[1], bool(args[2] if len(args) > 2 else kwargs.get("non_blocking")))
         raise TypeError(f"FlatChunks is a checkpoint placeholder (no storage): {func} is not "
                         "defined on it")
 

@@ -17,7 +17,10 @@ Where a parameter's range lies: stage 3, ``ds_tensor`` (as `annot.engines.deepsp
 shard_layout` reads it) and DeepSpeed's public ``safe_get_local_fp32_param`` /
 ``safe_get_local_optimizer_state``; stages 1-2, which have no public local API, the
 fragment mapping DeepSpeed links each parameter to (``param._hp_mapping``, what its own
-universal checkpoint reads). The optimizer state is created from the checkpoint's keys
+universal checkpoint reads). Stages 1-2 may run under either of two wrappers with the
+same mapping but other attribute names: ZeRO's own optimizer, or ``BF16_Optimizer``,
+which DeepSpeed picks for ZeRO-1 with bf16 parameters and fp32 gradient accumulation
+(``data_types.grad_accum_dtype: "fp32"``); any other wrapper is refused by name. The optimizer state is created from the checkpoint's keys
 when the optimizer has not stepped yet (DeepSpeed creates it lazily at the first step).
 """
 
@@ -49,9 +52,38 @@ _SCALER = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 Piece = tuple[int, int, torch.Tensor]  # elements [start, stop) of the flattened tensor, local 1-D
 
 
+def _flat_attributes(zero: Any, stage: int) -> tuple[str, str]:
+    """The attributes of ``zero`` (the optimizer DeepSpeed wrapped around the torch one)
+    that hold its parameter groups and their flat fp32 partitions, for the wrappers whose
+    layout annot reads: ZeRO's own (stages 1-3; fp16 and bf16 too) and, for ZeRO-1 with
+    bf16 parameters and fp32 gradient accumulation (``data_types.grad_accum_dtype``),
+    ``BF16_Optimizer``. Both link each parameter to its fragment of the partition
+    (``_hp_mapping``). Any other wrapper, subclasses of these included (their state may
+    live elsewhere), is refused by name rather than read wrong."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    known: dict[type, tuple[str, str]] = {
+        DeepSpeedZeroOptimizer: ("bit16_groups", "single_partition_of_fp32_groups"),
+        BF16_Optimizer: ("bf16_groups", "fp32_groups_flat_partition"),
+        DeepSpeedZeroOptimizer_Stage3: ("fp16_groups", "fp32_partitioned_groups_flat"),
+    }
+    attrs = known.get(type(zero))
+    if attrs is None or (stage == 3) != (type(zero) is DeepSpeedZeroOptimizer_Stage3):
+        kind = type(zero)
+        raise CheckpointError(
+            f"annot cannot read DeepSpeed's {kind.__module__}.{kind.__qualname__} (ZeRO stage "
+            f"{stage}): it saves and resumes DeepSpeedZeroOptimizer (ZeRO-1/2), "
+            "DeepSpeedZeroOptimizer_Stage3 (ZeRO-3) and BF16_Optimizer (ZeRO-1 with bf16 and "
+            "fp32 gradient accumulation); configure DeepSpeed to use one of these, or save "
+            "with DeepSpeed's own engine.save_checkpoint")
+    return attrs
+
+
 class DeepSpeedState:
     """A `DeepSpeedTrainable`'s state: its ``DeepSpeedEngine``, ZeRO optimizer (stage
-    1, 2 or 3) and the torch optimizer inside it."""
+    1, 2 or 3, or ``BF16_Optimizer`` for ZeRO-1) and the torch optimizer inside it."""
 
     def __init__(self, trainable: Trainable) -> None:
         # DeepSpeed's engine and ZeRO optimizer: attributes torch's types do not declare.
@@ -64,15 +96,16 @@ class DeepSpeedState:
             raise CheckpointError(
                 f"annot saves DeepSpeed training state with ZeRO stages 1-3 and a torch optimizer "
                 f"(this engine: stage {self.stage}, optimizer {type(self.inner).__name__})")
+        # Which attributes hold the parameter groups and the fp32 partitions: they differ
+        # between ZeRO's optimizer and BF16_Optimizer (issue #30).
+        self._flat_attrs = _flat_attributes(self.zero, self.stage)
         self.names = {id(p): n for n, p in self.model.named_parameters()}
         self._layout: ShardLayout | None = None
 
     # -- where things are ---------------------------------------------------------------
     def _partitions(self) -> list[torch.Tensor]:
         """The flat fp32 partitions the torch optimizer steps (its state's keys)."""
-        if self.stage == 3:
-            return list(self.zero.fp32_partitioned_groups_flat)
-        return list(self.zero.single_partition_of_fp32_groups)
+        return list(getattr(self.zero, self._flat_attrs[1]))
 
     def _group_params(self) -> list[list[nn.Parameter]]:
         """The parameters of each of the torch optimizer's param groups."""
@@ -81,7 +114,7 @@ class DeepSpeedState:
             for sub, params in enumerate(self.zero.fp16_groups):
                 groups[self.zero.sub_group_to_group_id[sub]] += params
         else:
-            for i, params in enumerate(self.zero.bit16_groups):
+            for i, params in enumerate(getattr(self.zero, self._flat_attrs[0])):
                 groups[i] += params
         return groups
 

@@ -119,10 +119,15 @@ class FlatState:
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give a torch optimizer that has not stepped its state, so a checkpoint can be
     read into it: one step with zero gradients and learning rate 0 (as torch's
-    ``get_state_dict`` does), which leaves the parameters as they are."""
+    ``get_state_dict`` does), which leaves the parameters as they are. A parameter with
+    no elements here (a flat shard holding none of it) gets no state, as in a run that
+    trained: it never has a gradient on this rank, so its state would never advance,
+    and its stale ``step`` would be saved beside the advancing one of the rank that
+    holds it (DCP keeps one of the two)."""
     if optimizer.state:
         return
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    params = [p for group in optimizer.param_groups for p in group["params"]
+              if p.requires_grad and p.numel() > 0]
     if any(p.grad is not None for p in params):
         raise CheckpointError("load the training state before the first backward: the "
                               "optimizer has gradients but no state yet")

@@ -5,8 +5,10 @@
 
 ``save``: for each engine, build the example GPT, wrap it with AdamW and a LambdaLR
 schedule, train `SPLIT` steps, `annot.save_state` to ROOT/ENGINE, then train to `STEPS`
-(the uninterrupted run: saving must not disturb it; FSDP2 saves asynchronously, and
-commits after those steps). With ``kill`` last, the same FSDP2
+(the uninterrupted run: saving must not disturb it; the engines in `ASYNC` save
+asynchronously, and commit after those steps). ``zero1-bf16`` is ZeRO-1 with bf16
+parameters and fp32 gradient accumulation, for which DeepSpeed wraps the torch
+optimizer in its ``BF16_Optimizer`` (issue #30). With ``kill`` last, the same FSDP2
 run is saved at step 3 to ROOT/kill, trains a step, and rank 1 kills itself (SIGKILL)
 while writing the step-4 save; OUT is written before that (the launch then fails).
 
@@ -17,11 +19,14 @@ Every step's global batch is the same `ROWS` rows, split evenly over the ranks, 
 mean of the ranks' losses is the loss of the whole batch on any world size. Each rank
 seeds its RNG differently and records three draws after saving / loading (RNG states are
 per rank). The CPU allocator's peak during each save and load is counted with the
-profiler's memory events (bytes, relative to the start of the call).
+profiler's memory events (bytes, relative to the start of the call). Both runs end with
+a digest of every tensor this rank keeps of the parameters and the optimizer
+(`final_state`), so a resumed run can be compared bitwise with the uninterrupted one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import sys
@@ -43,7 +48,21 @@ ENGINES = {
     "ddp": dict(engine="ddp"),
     "zero2": dict(engine="deepspeed", stage=2),
     "zero3": dict(engine="deepspeed", stage=3),
+    "zero1-bf16": dict(engine="deepspeed"),  # its config is written from the model: `options`
 }
+# Saved with async_save=True (committed after the following steps); the others in the
+# foreground, so both paths are covered on a flat-sharding engine.
+ASYNC = {"fsdp2", "fsdp1", "zero3"}
+
+
+def options(name: str, model) -> dict:
+    """``auto_wrap``'s engine keywords for ``name``."""
+    if name != "zero1-bf16":
+        return ENGINES[name]
+    # bf16 parameters with fp32 gradient accumulation on ZeRO-1: DeepSpeed picks its
+    # BF16_Optimizer instead of ZeRO's (the configuration of issue #30).
+    config = annot.deepspeed_config(model, stage=1, precision="bf16")
+    return dict(engine="deepspeed", config={**config, "data_types": {"grad_accum_dtype": "fp32"}})
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +81,7 @@ def build(name: str):
 
     torch.manual_seed(0)
     model = GPT(**CONFIG, dropout=0.0)
-    trainer = annot.auto_wrap(model, checkpoint=False, **ENGINES[name],
+    trainer = annot.auto_wrap(model, checkpoint=False, **options(name, model),
                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1))
     # DeepSpeed's ZeRO optimizer is no torch Optimizer; the schedule drives the torch one
     # inside it, whose param groups ZeRO steps with.
@@ -120,11 +139,33 @@ def state_bytes() -> dict:
     return {"model": full, "optimizer": 2 * full}
 
 
+def _digest(tensor: torch.Tensor) -> str:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    raw = local.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return f"{local.dtype} {tuple(local.shape)} {hashlib.sha256(raw.numpy().tobytes()).hexdigest()}"
+
+
+def final_state(trainer) -> dict[str, str]:
+    """A digest of every tensor this rank keeps of the model (`local_values`) and of the
+    optimizer: each tensor the torch optimizer steps (a ZeRO fp32 partition, an FSDP1
+    flat view, a DTensor's rows) and its state, read from the engine's own objects, not
+    through annot's checkpoint code."""
+    out = {f"param {i}": _digest(v) for i, v in enumerate(local_values(trainer))}
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    for g, group in enumerate(inner.param_groups):
+        for i, stepped in enumerate(group["params"]):
+            out[f"optimizer {g}.{i}"] = _digest(stepped)
+            for key, value in sorted(inner.state.get(stepped, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    out[f"optimizer {g}.{i} {key}"] = _digest(value)
+    return out
+
+
 def save_run(root: Path, name: str) -> dict:
     trainer, scheduler = build(name)
     losses = train(trainer, scheduler, range(SPLIT))
-    # FSDP2's save is asynchronous: written while the next steps train, committed after.
-    background = name == "fsdp2"
+    # Asynchronous: written while the next steps train, committed after.
+    background = name in ASYNC
     saved, peak = peak_bytes(lambda: annot.save_state(root / name, trainer, step=SPLIT,
                                                       scheduler=scheduler,
                                                       extra={"epoch": 0, "next_row": SPLIT * ROWS},
@@ -134,7 +175,8 @@ def save_run(root: Path, name: str) -> dict:
     if background:
         saved = saved.wait()
     return {"losses": losses, "saved": str(saved), "draws": gathered(draws),
-            "save_peak": gathered(peak), "bytes": state_bytes()}
+            "save_peak": gathered(peak), "bytes": state_bytes(),
+            "final": gathered(final_state(trainer)), "optimizer": type(trainer.optimizer).__name__}
 
 
 def local_values(trainer) -> list[torch.Tensor]:
@@ -153,7 +195,7 @@ def resume_run(root: Path, saved: str, name: str) -> dict:
     trainer, scheduler = build(name)
     weights_only = None
     if saved == name:  # annot.load reads the model out of the same state first
-        target = trainer.module if ENGINES[name]["engine"] == "fsdp1" else trainer.model
+        target = trainer.module if name == "fsdp1" else trainer.model
         annot.load(target, annot.latest_state(root / saved))
         weights_only = local_values(trainer)
     resumed, peak = peak_bytes(lambda: annot.load_state(root / saved, trainer, scheduler=scheduler))
@@ -164,7 +206,7 @@ def resume_run(root: Path, saved: str, name: str) -> dict:
     return {"losses": losses, "step": resumed.step, "extra": resumed.extra,
             "rng_restored": resumed.rng_restored, "draws": gathered(draws),
             "load_peak": gathered(peak), "lr": scheduler.get_last_lr(),
-            "annot_load_matches": gathered(same_weights)}
+            "annot_load_matches": gathered(same_weights), "final": gathered(final_state(trainer))}
 
 
 def kill_during_save(root: Path, out: str, results: dict) -> None:

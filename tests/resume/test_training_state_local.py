@@ -56,6 +56,68 @@ def test_flat_chunks_refuse_arithmetic():
         chunks.sum()
 
 
+def test_async_save_writes_flat_chunks_as_they_were_when_it_returned(tmp_path):
+    """DCP's asynchronous save stages the placeholder (zeros_like, then copy_) and writes
+    the staged copy: the engine's memory may change as soon as ``async_save`` returns."""
+    import torch.distributed.checkpoint as dcp
+
+    full = torch.randn(5, 7)
+    local = full.reshape(-1)[3:30].clone()  # starts and ends mid-row: three chunks
+    chunks = FlatChunks(full.shape, full.dtype, [(3, 30, local)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        future = dcp.async_save({"w": chunks}, storage_writer=dcp.FileSystemWriter(str(tmp_path)))
+        local.fill_(-1.0)  # the next training step, while the save is being written
+        future.result()
+    whole = torch.zeros(5, 7)
+    dcp.load({"w": FlatChunks(full.shape, full.dtype, [(3, 30, whole.view(-1)[3:30])])},
+             checkpoint_id=str(tmp_path))
+    assert torch.equal(whole.view(-1)[3:30], full.reshape(-1)[3:30])
+
+
+def test_flat_chunks_staging_copy_holds_only_this_ranks_elements():
+    local = torch.arange(40.0)
+    chunks = FlatChunks((6, 7), torch.float32, [(5, 25, local)])
+    staged = torch.zeros_like(chunks, device="cpu")
+    assert isinstance(staged, FlatChunks)
+    assert staged.__create_chunk_list__() == chunks.__create_chunk_list__()
+    views = list(staged._boxes.values())
+    assert sum(v.numel() for v in views) == 20  # the held range, not the 42 of the shape
+    assert {v.untyped_storage().data_ptr() for v in views} != {local.untyped_storage().data_ptr()}
+    staged.copy_(chunks)
+    assert torch.equal(torch.cat([v.reshape(-1) for v in views]), local[:20])
+
+
+def test_flat_chunks_refuse_to_be_copied_into_a_plain_tensor():
+    """DCP stages a 0-d tensor as a plain one; a rank holding part of it cannot fill it."""
+    chunks = FlatChunks((), torch.float32, [(0, 1, torch.ones(1))])
+    with pytest.raises(TypeError, match="async_save=False"):
+        torch.zeros(()).copy_(chunks)
+
+
+def test_deepspeed_state_refuses_an_optimizer_wrapper_it_cannot_read():
+    """Anything but ZeRO's optimizers and BF16_Optimizer, subclasses included, is refused
+    by name before annot reads a single attribute of it (issue #30)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from annot.engines.deepspeed_state import DeepSpeedState
+
+    class StageOne:
+        def zero_optimization_stage(self) -> int:
+            return 1
+
+    class ZenFlowLike(DeepSpeedZeroOptimizer):
+        pass
+
+    model = nn.Linear(2, 2)
+    wrapper = object.__new__(ZenFlowLike)  # no __init__: it needs a process group
+    wrapper.optimizer = torch.optim.AdamW(model.parameters())
+    trainable = annot.Trainable(StageOne(), model, wrapper, "deepspeed")  # type: ignore[arg-type]
+    with pytest.raises(annot.CheckpointError, match="ZenFlowLike.*BF16_Optimizer"):
+        DeepSpeedState(trainable)
+
+
 def test_commit_renames_after_the_marker_and_checks_sizes(tmp_path):
     final = tmp_path / "ckpt"
     staging = commit.begin(final, {"files": ["a.bin"]})
