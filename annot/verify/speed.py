@@ -15,6 +15,7 @@ from torch import nn
 from annot.verify.context import Context
 from annot.verify.model import Shape, TinyGPT, batches, flops_per_token
 from annot.verify.result import Row, fail_unless, skipped
+from annot.verify.training import step_losses
 from annot.wrap import auto_wrap
 
 __all__ = ["compile_checkpointed_blocks", "throughput_vs_hand_wired"]
@@ -45,15 +46,7 @@ def compile_checkpointed_blocks(ctx: Context) -> Row:
         block.compile(fullgraph=True, backend=backend)
 
     def losses(model: nn.Module) -> list[float]:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        out = []
-        for x, y in data:
-            loss = model(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            out.append(loss.item())
-        return out
+        return step_losses(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
 
     expected, got = losses(eager), losses(compiled)
     breaks = sum(counters["graph_break"].values())

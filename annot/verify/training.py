@@ -55,8 +55,9 @@ def bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]
     return [n for n in a if not torch.equal(a[n], b[n])]
 
 
-def train_plain(model: nn.Module, data: list[Any]) -> list[float]:
-    optimizer = _adamw(model.parameters())
+def step_losses(model: nn.Module, optimizer: torch.optim.Optimizer, data: list[Any]) -> list[float]:
+    """One optimizer step of ``model`` (whose forward returns the loss) per batch of
+    ``data``; the losses."""
     losses = []
     for x, y in data:
         loss = model(x, y)
@@ -65,6 +66,10 @@ def train_plain(model: nn.Module, data: list[Any]) -> list[float]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def train_plain(model: nn.Module, data: list[Any]) -> list[float]:
+    return step_losses(model, _adamw(model.parameters()), data)
 
 
 def train_trainable(trainable: Any, data: list[Any]) -> list[float]:
