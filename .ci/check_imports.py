@@ -39,9 +39,9 @@ PACKAGE = "annot"
 # root "annot" matches itself only. Keep this table and docs/design.md in step.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("policies, rewriter", ("annot.policies", "annot.rewriter")),
-    ("errors, _progress, _version, markers, planning, module_state, process_group",
+    ("errors, _progress, _version, markers, planning, module_state, devices, process_group",
      ("annot.errors", "annot._progress", "annot._version", "annot.markers", "annot.planning",
-      "annot.module_state", "annot.process_group")),
+      "annot.module_state", "annot.devices", "annot.process_group")),
     ("huggingface detection", ("annot.huggingface",)),
     ("runtime, meta", ("annot.runtime", "annot.meta")),
     ("checkpoint_io", ("annot.checkpoint_io",)),

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from annot.checkpoint_io.loading import load_logged
+from annot.devices import move_to_device
 from annot.errors import EngineNotAvailableError
 from annot.meta.layout import WHOLE, ShardLayout
 from annot.meta.materialization import materialize
@@ -94,15 +95,21 @@ class Trainable:
     engine's (DeepSpeed's own for DeepSpeed, which scales losses and accumulates
     gradients itself; plain ``loss.backward()`` and the optimizer's for the torch
     engines). ``module`` is what runs forward (the engine's wrapper; FSDP2's is the model
-    itself), ``model`` the bare model with its original parameter names.
+    itself), ``model`` the bare model with its original parameter names. ``device`` is
+    where the engine computes: a call moves the tensors it is given there first (DDP and
+    FSDP do so on a GPU themselves, DeepSpeed does not), so one loop feeding CPU batches
+    runs on every engine; ``None`` leaves them where they are.
     """
 
     module: nn.Module
     model: nn.Module
     optimizer: torch.optim.Optimizer
     engine: str
+    device: torch.device | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.device is not None:
+            args, kwargs = move_to_device(args, kwargs, self.device)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -196,10 +203,12 @@ class Engine(Generic[OptionsT]):
         fill_values(wrapped, request.load_from, request.device, self.layout(wrapped), request.mmap)
 
     def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
-                  options: OptionsT) -> Trainable:
+                  options: OptionsT, *, device: torch.device) -> Trainable:
         """``wrapped`` with an optimizer over the parameters it trains (those that
-        require grad: frozen ones get no optimizer state)."""
-        return Trainable(wrapped, model, optimizer(trained_parameters(wrapped)), self.name)
+        require grad: frozen ones get no optimizer state), moving its inputs to
+        ``device`` (the request's: where the engine computes)."""
+        return Trainable(wrapped, model, optimizer(trained_parameters(wrapped)), self.name,
+                         device)
 
 
 def trained_parameters(module: nn.Module) -> list[nn.Parameter]:

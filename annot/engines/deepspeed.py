@@ -25,6 +25,7 @@ import dataclasses
 import gc
 import logging
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
@@ -57,6 +58,7 @@ __all__ = [
     "partition_range",
     "partition_unit_by_unit",
     "refresh_secondary_partitions",
+    "refuse_other_accelerator",
     "set_leaf_modules",
     "shard_layout",
 ]
@@ -217,6 +219,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
             raise ValueError(
                 f"leaf_modules is a ZeRO-3 setting, but the ZeRO stage is {stage}: use stage=3 "
                 "or drop leaf_modules")
+        refuse_other_accelerator(request.device)  # last: it imports DeepSpeed
 
     @property
     def stage(self) -> int:
@@ -253,13 +256,17 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         refresh_secondary_partitions(wrapped)
 
     def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
-                  options: DeepSpeedOptions) -> Trainable:
+                  options: DeepSpeedOptions, *, device: torch.device) -> Trainable:
         import deepspeed
 
+        # DeepSpeed takes its GPU from LOCAL_RANK unless told (an invalid ordinal under srun
+        # with one GPU per task): ``device_rank`` is the one annot chose.
+        args = SimpleNamespace(device_rank=device.index) if device.type == "cuda" else None
         engine, ds_optimizer, *_ = deepspeed.initialize(
-            model=wrapped, optimizer=optimizer, model_parameters=trained_parameters(wrapped),
-            config=self.config)
-        return DeepSpeedTrainable(engine, model, ds_optimizer, self.name)
+            args=args, model=wrapped, optimizer=optimizer,
+            model_parameters=trained_parameters(wrapped), config=self.config)
+        # DeepSpeed's engine leaves inputs where they are: the Trainable moves them.
+        return DeepSpeedTrainable(engine, model, ds_optimizer, self.name, device)
 
 
 class DeepSpeedTrainable(Trainable):
@@ -274,6 +281,21 @@ class DeepSpeedTrainable(Trainable):
 
     def zero_grad(self) -> None:
         """Nothing to do: DeepSpeed's ``step`` clears the gradients at each boundary."""
+
+
+def refuse_other_accelerator(device: torch.device) -> None:
+    """DeepSpeed computes on its accelerator (CUDA when torch sees a GPU, else the CPU, or
+    ``DS_ACCELERATOR``), whatever annot chose: refuse a device of another type before the
+    model changes, instead of a model on one device and its inputs on another."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator().device_name()
+    if accelerator != device.type:
+        raise ValueError(
+            f"engine 'deepspeed' computes on its {accelerator!r} accelerator, but the device is "
+            f"{device}: pass device={accelerator!r} to auto_wrap (a gloo process group keeps "
+            f"annot on the CPU unless asked), or set DS_ACCELERATOR={device.type} before "
+            "DeepSpeed is imported")
 
 
 def _without_shared_parameters(model: nn.Module, paths: list[str]) -> list[str]:
