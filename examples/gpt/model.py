@@ -38,9 +38,10 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.attn_dropout = nn.Dropout(config.dropout)
+        self.attn_dropout = config.dropout  # SDPA's dropout_p on the attention weights
         self.resid_dropout = nn.Dropout(config.dropout)
-        # A non-persistent buffer on purpose: after meta -> to_empty it must be recomputed.
+        # A non-persistent buffer on purpose: after meta -> to_empty it must be recomputed
+        # (a garbage mask changes every output, so meta-init tests see a missed recompute).
         mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
         self.register_buffer("mask", mask.view(1, 1, config.block_size, config.block_size),
                              persistent=False)
@@ -52,10 +53,13 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
-        att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
-        att = self.attn_dropout(F.softmax(att, dim=-1))
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        # torch's fused attention (on GPUs a kernel that takes a mask, such as the
+        # memory-efficient one) never holds the (B, n_head, T, T) scores; scaled by
+        # 1/sqrt(head_size), masked by the buffer.
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask[:, :, :T, :T],
+            dropout_p=self.attn_dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 

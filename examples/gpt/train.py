@@ -6,8 +6,10 @@
 The model is built under annot.meta_init (no memory) and materialized by auto_wrap.
 Rank 0 prints the Plan, then the loss of every step (averaged over ranks). The data is a
 fixed synthetic set of counting sequences (each token is the previous one plus a
-per-sequence stride), so the loss falls within a few steps. Runs on CPU (gloo) or GPUs
-(nccl); run without torchrun it trains in one process.
+per-sequence stride), so the loss falls within a few steps. Runs on GPUs (NCCL; each rank
+on GPU ``LOCAL_RANK % GPUs``) or on CPU (gloo), as `annot.init_distributed` picks, or as
+``--device cuda|cpu`` says (more ranks than GPUs: CPU unless ``--device cuda``, then the
+ranks share GPUs over gloo); run without torchrun it trains in one process.
 
 With ``--resume DIR`` it continues from the newest complete training state in DIR (model,
 optimizer, step, RNG; any world size or engine), if there is one, and with
@@ -47,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="checkpoint every block / none (default: as the Plan says)")
     parser.add_argument("--offload", action="store_true", help="FSDP2: parameters on CPU")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None,
+                        help="cuda or cpu (default: this rank's GPU when there is one, else cpu)")
     parser.add_argument("--resume", metavar="DIR", default=None,
                         help="continue from the newest training state in DIR, and save there")
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "29511")):
         os.environ.setdefault(key, value)  # without torchrun: one process
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = annot.init_distributed(device=args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -82,13 +86,12 @@ def main(argv: list[str] | None = None) -> list[float]:
         # The optimizer is a factory: every engine builds it after sharding (which replaces
         # the parameters), and gives back the same backward / step / zero_grad.
         trainer = annot.auto_wrap(
-            model, args.engine, checkpoint=args.checkpoint,
+            model, args.engine, checkpoint=args.checkpoint, device=device,
             optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
             **({"offload": True} if args.offload else {}))
 
         data = counting_data(args.steps * world * args.batch_size, args.block_size,
                              args.vocab_size, args.seed + 1)
-        device = next(trainer.parameters()).device
         first_step = 0
         if args.resume and annot.latest_state(args.resume) is not None:
             # The data is indexed by step, so the step is also the position in the data.
