@@ -1,8 +1,9 @@
 """Which device a rank computes on, and which process-group backend goes with it.
 
-The one place annot picks a device (issue #30). `choose_device` is what `annot.auto_wrap`
-and `annot.init_distributed` call; `distributed_backend` is the backend for a device;
-`move_to_device` puts a batch where the engine computes.
+The one place annot picks a device (issue #30; docs/design.md, pitfall 31).
+`choose_device` is what `annot.auto_wrap` and `annot.init_distributed` call;
+`distributed_backend` is the backend for a device; `move_to_device` puts a batch where the
+engine computes.
 
 The rules, as torchrun, srun and Slurm users expect them:
 
