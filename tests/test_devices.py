@@ -256,3 +256,18 @@ def test_auto_wrap_on_a_gloo_group_with_a_gpu_present_trains_on_the_cpu(gpus, mo
                                 optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     assert trainable.device == torch.device("cpu")
     assert set_to == []
+
+
+def test_init_distributed_joins_a_real_gloo_group_on_a_cpu_machine(gpus, monkeypatch):
+    from tests.distributed import free_port
+
+    gpus(0)
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(key, value)
+    try:
+        assert process_group.init_distributed(timeout=30) == torch.device("cpu")
+        assert dist.get_backend() == "gloo"
+        assert process_group.init_distributed() == torch.device("cpu")  # joined: the device only
+    finally:
+        dist.destroy_process_group()
