@@ -38,8 +38,8 @@ def require_process_group(engine: str) -> None:
         raise ProcessGroupNotInitializedError(
             f"engine {engine!r} needs torch.distributed, but no process group is initialized. "
             "Launch with torchrun (e.g. `torchrun --nproc_per_node 2 train.py`) and call "
-            "torch.distributed.init_process_group() (backend 'nccl' on GPUs, 'gloo' on CPU) "
-            "before annot.auto_wrap()."
+            "annot.init_distributed() (NCCL on this rank's GPU, gloo on CPU) or "
+            "torch.distributed.init_process_group() before annot.auto_wrap()."
         )
 
 
