@@ -233,17 +233,30 @@ def test_deepspeed_s_trainable_moves_inputs_and_names_the_gpu(monkeypatch):
     assert recorder.seen == [torch.device("meta")] * 2
 
 
-def test_deepspeed_refuses_a_device_other_than_its_accelerator():
+def test_deepspeed_on_a_gpu_accelerator_refuses_the_cpu(monkeypatch):
+    """A gloo group on a GPU machine keeps annot on the CPU; DeepSpeed would still put the
+    model on its GPU and get CPU batches."""
     pytest.importorskip("deepspeed")
     from deepspeed.accelerator import get_accelerator
 
     from annot.engines.deepspeed import refuse_other_accelerator
 
-    accelerator = get_accelerator().device_name()
-    other = torch.device("meta")
-    with pytest.raises(ValueError, match=f"computes on its '{accelerator}' accelerator, but the device is meta"):
-        refuse_other_accelerator(other)
-    refuse_other_accelerator(torch.device(accelerator))  # its own type passes
+    monkeypatch.setattr(type(get_accelerator()), "device_name", lambda self, index=None: "cuda")
+    with pytest.raises(ValueError, match="computes on its 'cuda' accelerator, but the device is cpu"):
+        refuse_other_accelerator(torch.device("cpu"))
+    refuse_other_accelerator(torch.device("cuda", 0))  # its own type passes
+
+
+def test_deepspeed_on_the_cpu_accelerator_takes_the_cpu_and_gpu_plans():
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator import get_accelerator
+
+    from annot.engines.deepspeed import refuse_other_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        pytest.skip("DeepSpeed's accelerator here is a GPU")
+    refuse_other_accelerator(torch.device("cpu"))
+    refuse_other_accelerator(torch.device("cuda", 0))  # a GPU plan checked without a GPU
 
 
 def test_auto_wrap_on_a_gloo_group_with_a_gpu_present_trains_on_the_cpu(gpus, monkeypatch, one_rank):

@@ -284,18 +284,22 @@ class DeepSpeedTrainable(Trainable):
 
 
 def refuse_other_accelerator(device: torch.device) -> None:
-    """DeepSpeed computes on its accelerator (CUDA when torch sees a GPU, else the CPU, or
-    ``DS_ACCELERATOR``), whatever annot chose: refuse a device of another type before the
-    model changes, instead of a model on one device and its inputs on another."""
+    """DeepSpeed computes on its accelerator (CUDA when torch sees a GPU, unless
+    ``DS_ACCELERATOR`` says otherwise), whatever annot chose: refuse the CPU where that
+    accelerator is a GPU (a gloo process group on a GPU machine keeps annot on the CPU,
+    pitfall 31) before the model changes, instead of a model on the GPU fed CPU batches.
+    A GPU device with DeepSpeed's CPU accelerator passes: that is a GPU plan checked on a
+    machine without one (`annot.memory`'s strategy calls); a run there stops at
+    `annot.devices.choose_device` first."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator().device_name()
-    if accelerator != device.type:
+    if device.type == "cpu" and accelerator != "cpu":
         raise ValueError(
             f"engine 'deepspeed' computes on its {accelerator!r} accelerator, but the device is "
             f"{device}: pass device={accelerator!r} to auto_wrap (a gloo process group keeps "
-            f"annot on the CPU unless asked), or set DS_ACCELERATOR={device.type} before "
-            "DeepSpeed is imported")
+            "annot on the CPU unless asked), or set DS_ACCELERATOR=cpu before DeepSpeed is "
+            "imported")
 
 
 def _without_shared_parameters(model: nn.Module, paths: list[str]) -> list[str]:

@@ -308,8 +308,8 @@ def test_an_offloaded_block_compiles_with_fullgraph_and_offloads_what_it_saves(c
     for got, want in zip(_grads(b, x), _grads(bare, x_bare), strict=True):
         torch.testing.assert_close(got, want, **TOL)
     assert offloader.packed_tensors == offloader.unpacked_tensors > 0
-    # Checkpointed, the compiled region keeps its input, the causal mask's slice and the
-    # generator state it replays attention's (seeded) kernel with; unchecked, ~30x its input.
+    # Checkpointed, the compiled region keeps its input and the generator state it
+    # replays attention's (seeded) kernel with; unchecked, ~30x its input.
     kept_at_most = 2 * x.nbytes + torch.get_rng_state().nbytes
     assert (offloader.packed_bytes < kept_at_most) == checkpointed, offloader.packed_bytes
 
