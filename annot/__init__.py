@@ -15,6 +15,7 @@ from annot._version import __version__ as __version__
 
 if TYPE_CHECKING:
     from annot.data_loading import ResumableLoader
+    from annot.devices import choose_device
     from annot.engines.activation_checkpointing import apply_checkpointing
     from annot.engines.base import Trainable
     from annot.engines.ddp import DDPOptions
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from annot.engines.fsdp2 import FSDP2Options
     from annot.errors import (
         CheckpointError,
+        DeviceNotAvailableError,
         EngineNotAvailableError,
         MetaDeviceError,
         OptimizerOrderError,
@@ -91,6 +93,8 @@ _EXPORTS = {
     "DDPOptions": "annot.engines.ddp",
     "DeepSpeedOptions": "annot.engines.deepspeed",
     "CheckpointError": "annot.errors",
+    "DeviceNotAvailableError": "annot.errors",
+    "choose_device": "annot.devices",
     "from_pretrained": "annot.huggingface.pretrained",
     "PretrainedPathError": "annot.huggingface.pretrained",
     "estimate_memory": "annot.memory",
@@ -112,6 +116,7 @@ __all__ = [
     "DDPOptions",
     "DeepSpeedOptions",
     "DeferredInitError",
+    "DeviceNotAvailableError",
     "EngineNotAvailableError",
     "FSDP1Options",
     "FSDP2Options",
@@ -133,6 +138,7 @@ __all__ = [
     "build",
     "by_size",
     "checkpoint_block",
+    "choose_device",
     "deepspeed_config",
     "estimate_memory",
     "every_nth",

@@ -11,6 +11,7 @@ from annot.policies.errors import AnnotError
 
 __all__ = [
     "CheckpointError",
+    "DeviceNotAvailableError",
     "EngineNotAvailableError",
     "MetaDeviceError",
     "OptimizerOrderError",
@@ -21,6 +22,11 @@ __all__ = [
 
 class ProcessGroupNotInitializedError(AnnotError, RuntimeError):
     """A distributed engine was asked for before ``torch.distributed.init_process_group``."""
+
+
+class DeviceNotAvailableError(AnnotError, RuntimeError):
+    """A device was asked for (``device="cuda"``, an NCCL backend) that this process does not
+    see; the message names the device count, the torch build and ``CUDA_VISIBLE_DEVICES``."""
 
 
 class MetaDeviceError(AnnotError, ValueError):

@@ -28,32 +28,48 @@ import time
 import torch
 import torch.distributed as dist
 
+from annot.devices import choose_device, distributed_backend, uses_cuda
+
 __all__ = ["DEFAULT_TIMEOUT_S", "barrier", "init_distributed", "rank_and_world"]
 
 DEFAULT_TIMEOUT_S = 600.0  # long enough for a checkpoint save, far below torch's 30 minutes
 _DONE = "done"
 
 
-def init_distributed(backend: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S,
-                     heartbeat: bool = True) -> None:
-    """``torch.distributed.init_process_group`` for a torchrun launch, with collectives
-    bounded by ``timeout`` seconds and (``heartbeat=True``) a report naming any rank that
-    stops answering for that long. ``backend``: ``"nccl"`` when CUDA is available, else
-    ``"gloo"``. Reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+def init_distributed(backend: str | None = None, *, device: torch.device | str | None = None,
+                     timeout: float = DEFAULT_TIMEOUT_S, heartbeat: bool = True) -> torch.device:
+    """``torch.distributed.init_process_group`` for a torchrun (or srun) launch, with
+    collectives bounded by ``timeout`` seconds and (``heartbeat=True``) a report naming any
+    rank that stops answering for that long. Returns this rank's device.
+
+    The device is `annot.devices.choose_device` of ``device`` and ``backend``: this rank's
+    GPU (``LOCAL_RANK % device_count``, made current) when CUDA is available and torchrun
+    does not start more ranks on the node than it has GPUs, else the CPU; ``"cuda"`` or
+    ``"cpu"`` forces it. ``backend`` defaults to the device's
+    (`annot.devices.distributed_backend`): ``"cpu:gloo,cuda:nccl"`` on CUDA (NCCL for CUDA
+    tensors, gloo for CPU ones), ``"gloo"`` on the CPU. A CUDA device with an NCCL backend
+    is passed as ``device_id``: NCCL connects at once, and sub-groups split its
+    communicator instead of building full ones.
+
+    Reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``); raises ``RuntimeError`` naming what is missing when it is not set.
-    A no-op when the process group already exists."""
+    When the process group already exists, only returns the device."""
     if dist.is_initialized():
-        return
+        return choose_device(device)
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
         raise RuntimeError(f"annot.init_distributed: {', '.join(missing)} not set; start the script "
                            "with torchrun (e.g. torchrun --nproc_per_node 2 train.py)")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout}")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    chosen = choose_device(device, backend=backend)
+    backend = backend or distributed_backend(chosen)
+    device_id = chosen if chosen.type == "cuda" and uses_cuda(backend) else None
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device_id)
     if heartbeat and dist.get_world_size() > 1:
         _Heartbeat(timeout).start()
+    return chosen
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -16,6 +16,7 @@ from torch import nn
 
 from annot._deprecation import moved_attribute
 from annot.checkpoint_io.loading import check_compatible, load_logged
+from annot.devices import choose_device
 from annot.engines import checks
 from annot.engines.base import OptimizerFactory, Trainable, WrapRequest
 from annot.engines.registry import get_engine
@@ -96,7 +97,11 @@ def auto_wrap(
         mmap: map ``load_from``'s tensors instead of reading them (`annot.load`'s
             ``mmap``: CPU, FSDP2, DDP or no engine; the files must not change while the
             model lives).
-        device: default this rank's GPU (``LOCAL_RANK``) or the CPU.
+        device: where this rank computes (`annot.choose_device`): default the CPU on a
+            gloo process group, else this rank's GPU (``LOCAL_RANK % device_count``);
+            ``"cuda"`` takes this rank's GPU whatever the backend. A CUDA device becomes
+            the current device. With ``optimizer=``, the `Trainable` moves each call's
+            tensors there.
         options: the engine's options object (`annot.engines.fsdp2.FSDP2Options`,
             ``FSDP1Options``, ``DDPOptions``, ``DeepSpeedOptions``), or pass its fields as
             keywords (``reshard_after_forward=False``, ``offload=True``, ``stage=2``,
@@ -116,7 +121,7 @@ def auto_wrap(
     opts = steps.options(options, **engine_options)
     deferred = _deferred(model)
     plan = resolve_plan(model, policy)                            # 2. the Plan
-    request = WrapRequest(plan, checks.default_device(device), deferred,
+    request = WrapRequest(plan, choose_device(device), deferred,
                           Path(load_from) if load_from is not None and deferred else None, mmap)
     # What the engine cannot do with this model is said before asking for a process group,
     # so it shows (and is tested) without torchrun.

@@ -1,8 +1,10 @@
 """What one `annot.auto_wrap` call costs beyond the engine's own work.
 
-    python examples/bench_auto_wrap.py [--repeats 20] [--layers 12]
+    python examples/bench_auto_wrap.py [--repeats 20] [--layers 12] [--device cuda|cpu]
+                                       [--backend BACKEND]
 
-In one process (a 1-rank gloo group) with transformers and deepspeed imported (a typical
+In one process (a 1-rank group: gloo on the CPU, NCCL on a GPU, as `annot.init_distributed`
+picks unless ``--device``/``--backend`` say) with transformers and deepspeed imported (a typical
 training process: their modules add hundreds of thousands of objects to the heap), it
 times, per engine, the median of ``--repeats`` calls of
 
@@ -39,7 +41,8 @@ def model(layers: int) -> torch.nn.Module:
     return GPT(n_layer=layers, n_embd=64, n_head=4, vocab_size=256, block_size=32)
 
 
-def engine_only(engine: str, layers: int) -> float:
+def engine_only(engine: str, layers: int, device: torch.device) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
@@ -47,22 +50,23 @@ def engine_only(engine: str, layers: int) -> float:
     plan = annot.plan(m)
     start = time.perf_counter()
     if engine == "fsdp2":
+        mesh = init_device_mesh(device.type, (1,))
         for unit in plan.units:
-            fully_shard(m.get_submodule(unit.path))
-        fully_shard(m)
+            fully_shard(m.get_submodule(unit.path), mesh=mesh)
+        fully_shard(m, mesh=mesh)
     elif engine == "fsdp1":
         policy, _ = annot.fsdp1_policies(m, plan)
         FullyShardedDataParallel(m, auto_wrap_policy=policy, use_orig_params=True,
-                                 device_id=torch.device("cpu"))
+                                 device_id=device)
     else:
-        DistributedDataParallel(m)
+        DistributedDataParallel(m.to(device), device_ids=[device] if device.type == "cuda" else None)
     return time.perf_counter() - start
 
 
-def whole(engine: str, layers: int) -> float:
+def whole(engine: str, layers: int, device: torch.device) -> float:
     m = model(layers)
     start = time.perf_counter()
-    annot.auto_wrap(m, engine)
+    annot.auto_wrap(m, engine, device=device)
     return time.perf_counter() - start
 
 
@@ -78,23 +82,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--device", default=None,
+                        help="cuda or cpu (default: the GPU when there is one, else cpu)")
+    parser.add_argument("--backend", default=None,
+                        help="process-group backend (default: cpu:gloo,cuda:nccl on a GPU, gloo on cpu)")
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29571", RANK="0", WORLD_SIZE="1")
     import deepspeed  # noqa: F401  (the heap a training process has)
     import transformers  # noqa: F401
     from transformers import LlamaForCausalLM  # noqa: F401
 
-    dist.init_process_group("gloo")
+    device = annot.init_distributed(args.backend, device=args.device)
     try:
-        print(f"GPT with {args.layers} blocks; median of {args.repeats} calls; "
+        print(f"GPT with {args.layers} blocks on {device} ({dist.get_backend()}); median of {args.repeats} calls; "
               f"{len(gc.get_objects()):,} objects tracked by the garbage collector")
         print("| engine | auto_wrap (ms) | engine only (ms) | overhead (ms) | gc scan (ms) |")
         print("|---|---:|---:|---:|---:|")
         for engine in ("fsdp2", "fsdp1", "ddp"):
             for _ in range(2):  # warm up imports and caches
-                whole(engine, args.layers), engine_only(engine, args.layers)
-            total = statistics.median(whole(engine, args.layers) for _ in range(args.repeats))
-            bare = statistics.median(engine_only(engine, args.layers) for _ in range(args.repeats))
+                whole(engine, args.layers, device), engine_only(engine, args.layers, device)
+            total = statistics.median(whole(engine, args.layers, device) for _ in range(args.repeats))
+            bare = statistics.median(engine_only(engine, args.layers, device)
+                                     for _ in range(args.repeats))
             scan = statistics.median(gc_scan() for _ in range(3))
             print(f"| {engine} | {total * 1e3:.1f} | {bare * 1e3:.1f} | {(total - bare) * 1e3:.1f} "
                   f"| {scan * 1e3:.0f} |", flush=True)

@@ -1,6 +1,10 @@
-"""Build a GPT sharded over CPU ranks four ways and count what each rank allocates.
+"""Build a GPT sharded over N ranks several ways and count what each rank allocates.
 
     python examples/bench_materialize.py --ranks 2 --n_layer 24 --n_embd 2048   # ~1.3B fp32
+
+``--device cuda|cpu`` and ``--backend BACKEND`` choose where the ranks build (default, as
+`annot.init_distributed` picks: each rank's GPU with NCCL where there are GPUs, else the
+CPU with gloo). The peak is resident memory on the CPU, allocated GPU memory on a GPU.
 
 Methods, each in its own torchrun launch (so peak RSS is per method):
   annot      annot.meta_init -> fully_shard per block -> annot.materialize
@@ -37,6 +41,13 @@ def rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def memory_peak(device) -> int:
+    """The high-water mark of what this rank holds: its RSS, or its GPU's allocated bytes."""
+    import torch
+
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_peak()
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -49,15 +60,14 @@ def worker(args: argparse.Namespace) -> None:
 
     shape = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                  vocab_size=args.vocab_size, block_size=args.block_size)
+    device = annot.init_distributed(args.backend, device=args.device)
     if args.method in ("zero_init", "annot_zero3"):
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo")
-    else:
-        dist.init_process_group("gloo")
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps torch's group
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    baseline = rss_peak()
+    mesh = init_device_mesh(device.type, (world,))
+    baseline = memory_peak(device)
     start = time.perf_counter()
     torch.manual_seed(0)
 
@@ -74,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     elif args.method == "annot_fsdp1":
         with annot.meta_init():
             model = GPT(**shape)
-        wrapped = annot.auto_wrap(model, "fsdp1", checkpoint=False)
+        wrapped = annot.auto_wrap(model, "fsdp1", checkpoint=False, device=device)
     elif args.method == "annot_zero3":
         import deepspeed
 
@@ -84,7 +94,7 @@ def worker(args: argparse.Namespace) -> None:
             model = GPT(**shape)
         config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
         units = [f"transformer.h.{i}" for i in range(len(model.transformer.h))]
-        partition_unit_by_unit(model, units, config, torch.device("cpu"))
+        partition_unit_by_unit(model, units, config, device)
         annot.materialize(model)
     elif args.method == "load":
         with annot.meta_init():
@@ -95,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
     elif args.method == "fsdp2":
         with torch.device("meta"):
             model = GPT(**shape)
-        shard(model).to_empty(device="cpu")
+        shard(model).to_empty(device=device)
         for module in model.modules():
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
@@ -106,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = GPT(**shape)
     seconds = time.perf_counter() - start
-    peak = rss_peak() - baseline
+    peak = memory_peak(device) - baseline
     result = {"rank": rank, "peak": peak, "seconds": seconds}
     if args.method == "load":
         result["bytes_read"] = report.bytes_read
@@ -116,7 +126,7 @@ def worker(args: argparse.Namespace) -> None:
         reference = torch.load(args.compare, mmap=True)
         with FullyShardedDataParallel.summon_full_params(wrapped):  # after the peak was taken
             result["equal_1rank"] = all(
-                torch.equal(param, reference[name.replace("_fsdp_wrapped_module.", "")])
+                torch.equal(param.cpu(), reference[name.replace("_fsdp_wrapped_module.", "")])
                 for name, param in model.named_parameters())
     elif args.compare:
         reference = torch.load(args.compare, mmap=True)
@@ -129,7 +139,7 @@ def worker(args: argparse.Namespace) -> None:
                     full = param.data.clone()
             else:
                 full = param.full_tensor()
-            same = same and torch.equal(full, reference[name])
+            same = same and torch.equal(full.cpu(), reference[name])
             del full
         result["equal_1rank"] = same
     results = [None] * world
@@ -149,6 +159,9 @@ def launch(method: str, args: argparse.Namespace, out: Path, compare: Path | Non
         cmd += ["--compare", str(compare)]
     if checkpoint:
         cmd += ["--checkpoint", str(checkpoint)]
+    for flag in ("device", "backend"):
+        if getattr(args, flag) is not None:
+            cmd += [f"--{flag}", getattr(args, flag)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         return [{"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"}]
@@ -164,6 +177,10 @@ def main() -> None:
     parser.add_argument("--vocab_size", type=int, default=50304)
     parser.add_argument("--block_size", type=int, default=1024)
     parser.add_argument("--methods", default="annot,eager,fsdp2,zero_init,load")
+    parser.add_argument("--device", default=None,
+                        help="cuda or cpu (default: each rank's GPU when there are GPUs, else cpu)")
+    parser.add_argument("--backend", default=None,
+                        help="process-group backend (default: cpu:gloo,cuda:nccl on GPUs, gloo on cpu)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -193,9 +210,10 @@ def main() -> None:
         file_bytes = sum(f.stat().st_size for f in (tmp_path / "checkpoint").iterdir())
         del reference
         ideal = params * 4 / args.ranks
-        print(f"GPT {params / 1e9:.2f}B params fp32 on {args.ranks} CPU ranks: ideal shard "
+        where = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        print(f"GPT {params / 1e9:.2f}B params fp32 on {args.ranks} {where} ranks: ideal shard "
               f"{ideal / GiB:.2f} GiB, largest parameter {largest / GiB:.2f} GiB, checkpoint {file_bytes / GiB:.2f} GiB")
-        print(f"{'method':12} {'peak RSS/rank (GiB)':>20} {'x ideal':>8} {'seconds':>8} {'= 1-rank':>9} {'read/rank (GiB)':>16}")
+        print(f"{'method':12} {'peak/rank (GiB)':>20} {'x ideal':>8} {'seconds':>8} {'= 1-rank':>9} {'read/rank (GiB)':>16}")
         for method in args.methods.split(","):
             rows = launch(method, args, tmp_path / f"{method}.json", tmp_path / "reference.pt",
                           tmp_path / "checkpoint" if method == "load" else None)

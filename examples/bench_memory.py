@@ -4,6 +4,11 @@ every strategy annot builds, the planner's per-rank prediction beside the measur
     python examples/bench_memory.py            # launches torchrun once, prints the table
     python examples/bench_memory.py --simulate # FSDP2 at world size 8, 1.31B, simulated
 
+``--device cuda|cpu`` and ``--backend BACKEND`` choose where the ranks train (default, as
+`annot.init_distributed` picks: each rank's GPU with NCCL where there are GPUs, else the
+CPU with gloo); the figures below and in the README are from CPU runs. The simulation
+needs neither.
+
 Method: each rank counts live tensor bytes with `annot.memory.counting.LiveBytes` (a
 TorchDispatchMode over storages, the method of torch's MemTracker) from before the model
 is built (under `annot.meta_init`) through `annot.auto_wrap` and 3 training steps with
@@ -57,7 +62,7 @@ def make_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3, foreach=True)
 
 
-def measure(key: str, checkpoint: bool, size: dict[str, Any]) -> int:
+def measure(key: str, checkpoint: bool, size: dict[str, Any], device: torch.device) -> int:
     """This rank's counted peak of live tensor bytes over the training steps."""
     import torch.distributed as dist
 
@@ -71,7 +76,7 @@ def measure(key: str, checkpoint: bool, size: dict[str, Any]) -> int:
         torch.manual_seed(0)
         with annot.meta_init():
             model = GPT(**size["shape"])
-        trainer = annot.auto_wrap(model, chosen.engine, checkpoint=checkpoint,
+        trainer = annot.auto_wrap(model, chosen.engine, checkpoint=checkpoint, device=device,
                                   optimizer=make_optimizer, **chosen.engine_options("fp32"))
         counter.reset_peak()
         for _ in range(STEPS):
@@ -90,11 +95,11 @@ def worker(out: str, spec_json: str) -> None:
     import torch.distributed as dist
 
     spec = json.loads(spec_json)
-    dist.init_process_group("gloo")
+    device = annot.init_distributed(spec["backend"], device=spec["device"])
     results: dict[str, list[int]] = {}
     for name in spec["sizes"]:
         for key, checkpoint in spec["scenarios"]:
-            peak = measure(key, checkpoint, SIZES[name])
+            peak = measure(key, checkpoint, SIZES[name], device)
             every: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(every, peak)
             results[f"{name}|{key}|{int(checkpoint)}"] = every
@@ -143,11 +148,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def launch(out: Path, sizes: list[str], scenarios: list[tuple[str, bool]] = SCENARIOS,
-           timeout: float = 900) -> dict[str, list[int]]:
-    """One torchrun launch of every size and row; rank 0's results."""
+           timeout: float = 900, device: str | None = None,
+           backend: str | None = None) -> dict[str, list[int]]:
+    """One torchrun launch of every size and row; rank 0's results. ``device`` and
+    ``backend``: `annot.init_distributed`'s (``None``: its defaults)."""
     from tests.distributed import torchrun
 
-    spec = json.dumps({"sizes": sizes, "scenarios": scenarios})
+    spec = json.dumps({"sizes": sizes, "scenarios": scenarios, "device": device,
+                       "backend": backend})
     torchrun(__file__, "--worker", str(out), spec, nproc=WORLD, timeout=timeout)
     return torch.load(out)
 
@@ -233,7 +241,8 @@ def main() -> None:
         measured = torch.load(args["--from"])
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            measured = launch(Path(tmp) / "out.pt", list(SIZES))
+            measured = launch(Path(tmp) / "out.pt", list(SIZES), device=args.get("--device"),
+                              backend=args.get("--backend"))
         if "--save" in args:
             torch.save(measured, args["--save"])
     print(table(compare(measured)))

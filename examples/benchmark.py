@@ -19,6 +19,10 @@ activations for DDP (`annot.runtime.activation_offload`). ``--precision`` ``fp32
 ``fp16`` (every engine's ``mixed_precision``: FSDP/ZeRO cast compute, DDP autocasts its
 forward; fp16 scales the loss in the `Trainable`).
 
+``--device`` (``cuda`` or ``cpu``) and ``--backend`` (a process-group backend) default to
+this rank's GPU with ``cpu:gloo,cuda:nccl`` where there is one, else the CPU with gloo
+(`annot.init_distributed`); the table passes them to every row.
+
 Step time is the mean over the steps after ``--warmup``; tokens/s counts every rank's
 tokens; peak memory is the largest over ranks: resident set size on CPU
 (``resource.getrusage``, which includes the interpreter and libraries),
@@ -68,6 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--offload", action="store_true",
                         help="FSDP/ZeRO: parameters and optimizer state; DDP: activations")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--device", default=None,
+                        help="cuda or cpu (default: this rank's GPU when there is one, else cpu)")
+    parser.add_argument("--backend", default=None,
+                        help="process-group backend (default: cpu:gloo,cuda:nccl on GPUs, "
+                             "gloo on cpu)")
     parser.add_argument("--table", action="store_true",
                         help="launch torchrun for every strategy and variant, print a table")
     parser.add_argument("--nproc", type=int, default=2, help="--table: processes per run")
@@ -91,7 +100,7 @@ def wrap(model: torch.nn.Module, args: argparse.Namespace) -> annot.Trainable:
     else:
         engine = args.strategy
         options = dict(offload=True if args.offload else None, mixed_precision=precision)
-    return annot.auto_wrap(model, engine, checkpoint=args.checkpoint,
+    return annot.auto_wrap(model, engine, checkpoint=args.checkpoint, device=args.device,
                            optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4), **options)
 
 
@@ -102,7 +111,9 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # This rank's GPU (LOCAL_RANK % GPUs, made current) with NCCL, or the CPU with gloo.
+    device = annot.init_distributed(args.backend, device=args.device)
+    args.device = str(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         torch.manual_seed(0)
@@ -111,9 +122,6 @@ def run(args: argparse.Namespace) -> dict:
                         block_size=args.block_size, vocab_size=args.vocab_size)
         params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         trainer = wrap(model, args)
-        device = next(model.parameters()).device
-        if device.type == "cpu" and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())  # parameters offloaded
         gen = torch.Generator().manual_seed(rank)
         data = torch.randint(0, args.vocab_size, (args.batch_size, args.block_size + 1), generator=gen)
         idx, targets = data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
@@ -132,8 +140,9 @@ def run(args: argparse.Namespace) -> dict:
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
 
+        # On the compute device: an NCCL-only group cannot reduce a CPU tensor.
         stats = torch.tensor([sum(times) / len(times), peak_memory_bytes(device), loss.item()],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device=device)
         maxima = stats.clone()
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)  # the slowest rank, the largest peak
         dist.all_reduce(stats)
@@ -152,8 +161,9 @@ def run(args: argparse.Namespace) -> dict:
 def launch(args: argparse.Namespace, strategy: str, variant: str) -> dict | str:
     """One torchrun run for a table row: its result, or the reason it failed."""
     passthrough = ["--n_layer", "--n_head", "--n_embd", "--block_size", "--vocab_size",
-                   "--batch_size", "--steps", "--warmup", "--precision"]
-    sizes = [str(x) for flag in passthrough for x in (flag, getattr(args, flag[2:]))]
+                   "--batch_size", "--steps", "--warmup", "--precision", "--device", "--backend"]
+    sizes = [str(x) for flag in passthrough if getattr(args, flag[2:]) is not None
+             for x in (flag, getattr(args, flag[2:]))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
            f"--nproc_per_node={args.nproc}", str(Path(__file__).resolve()),
            "--strategy", strategy, *sizes, *VARIANTS[variant]]

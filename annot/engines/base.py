@@ -47,6 +47,7 @@ from torch import nn
 
 from annot._deprecation import warn_deprecated
 from annot.checkpoint_io.loading import load_logged
+from annot.devices import move_to_device
 from annot.errors import EngineNotAvailableError
 from annot.meta.layout import WHOLE, ShardLayout
 from annot.meta.materialization import materialize
@@ -143,12 +144,17 @@ class Trainable:
     loop stays ``backward(loss); step(); zero_grad()``. Gradients between ``backward``
     and ``step`` are scaled: clip them with `clip_grad_norm_`, which unscales first.
     ``save_state``/``load_state`` keep the scaler's state and the count.
+    ``device`` is where the engine computes: a call moves the tensors it is given there
+    first (DDP and FSDP do so on a GPU themselves, DeepSpeed does not), so one loop feeding
+    CPU batches runs on every engine; ``None`` leaves them where they are.
     """
 
     module: nn.Module
     model: nn.Module
     optimizer: torch.optim.Optimizer
     engine: str
+    #: Where the engine computes; a call moves its tensors there (``None``: left as given).
+    device: torch.device | None = None
     #: The loss scaler of fp16 compute (``None``: no scaling, fp32 or bf16).
     scaler: GradScaler | None = None
     #: Optimizer steps the scaler skipped because a gradient was inf or NaN.
@@ -157,6 +163,8 @@ class Trainable:
     _unscaled: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.device is not None:
+            args, kwargs = move_to_device(args, kwargs, self.device)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -396,11 +404,13 @@ class Engine(Generic[OptionsT]):
         fill_values(wrapped, request.load_from, request.device, self.layout(wrapped), request.mmap)
 
     def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
-                  options: OptionsT, device: torch.device | None = None) -> Trainable:
+                  options: OptionsT, *, device: torch.device | None = None) -> Trainable:
         """``wrapped`` with an optimizer over the parameters it trains (those that
-        require grad: frozen ones get no optimizer state), and the loss scaler
+        require grad: frozen ones get no optimizer state), moving its inputs to
+        ``device`` (the request's: where the engine computes), with the loss scaler
         `loss_scaler` gives for ``device`` (``None``: the CPU)."""
         return Trainable(wrapped, model, optimizer(trained_parameters(wrapped)), self.name,
+                         device=device,
                          scaler=self.loss_scaler(options, device or torch.device("cpu")))
 
     def loss_scaler(self, options: OptionsT, device: torch.device) -> GradScaler | None:

@@ -1,4 +1,4 @@
-"""Checks and defaults shared by the engines: process group, device, mesh, misuse.
+"""Checks shared by the engines: process group, device, mesh, misuse.
 
 Every check here guards a mistake the engines themselves punish late (a hang, a crash
 deep in a collective, an optimizer that silently updates nothing), so `auto_wrap` runs
@@ -27,7 +27,6 @@ from annot.errors import (
 __all__ = [
     "forbid_stale_optimizers",
     "check_not_meta",
-    "default_device",
     "refuse_mapping",
     "require_process_group",
 ]
@@ -39,20 +38,9 @@ def require_process_group(engine: str) -> None:
         raise ProcessGroupNotInitializedError(
             f"engine {engine!r} needs torch.distributed, but no process group is initialized. "
             "Launch with torchrun (e.g. `torchrun --nproc_per_node 2 train.py`) and call "
-            "torch.distributed.init_process_group() (backend 'nccl' on GPUs, 'gloo' on CPU) "
-            "before annot.auto_wrap()."
+            "annot.init_distributed() (NCCL on this rank's GPU, gloo on CPU) or "
+            "torch.distributed.init_process_group() before annot.auto_wrap()."
         )
-
-
-def default_device(device: torch.device | str | None) -> torch.device:
-    """``device`` if given; else this rank's GPU (``LOCAL_RANK``, made current) or the CPU."""
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(local)  # FSDP2 and NCCL use the current device
-        return local
-    return torch.device("cpu")
 
 
 def refuse_mapping(engine: str, maps_checkpoint: bool, load_from: os.PathLike[str] | None,

@@ -25,6 +25,7 @@ import dataclasses
 import gc
 import logging
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
@@ -64,6 +65,7 @@ __all__ = [
     "partition_range",
     "partition_unit_by_unit",
     "refresh_secondary_partitions",
+    "refuse_other_accelerator",
     "set_leaf_modules",
     "shard_layout",
 ]
@@ -234,6 +236,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
             raise ValueError(
                 f"leaf_modules is a ZeRO-3 setting, but the ZeRO stage is {stage}: use stage=3 "
                 "or drop leaf_modules")
+        refuse_other_accelerator(request.device)  # last: it imports DeepSpeed
 
     @property
     def stage(self) -> int:
@@ -285,13 +288,17 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         return DeepSpeedState(trainable)
 
     def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
-                  options: DeepSpeedOptions, device: torch.device | None = None) -> Trainable:
+                  options: DeepSpeedOptions, *, device: torch.device | None = None) -> Trainable:
         import deepspeed
 
+        # DeepSpeed takes its GPU from LOCAL_RANK unless told (an invalid ordinal under srun
+        # with one GPU per task): ``device_rank`` is the one annot chose.
+        args = SimpleNamespace(device_rank=device.index) if device is not None and device.type == "cuda" else None
         engine, ds_optimizer, *_ = deepspeed.initialize(
-            model=wrapped, optimizer=optimizer, model_parameters=trained_parameters(wrapped),
-            config=self.config)
-        return DeepSpeedTrainable(engine, model, ds_optimizer, self.name)
+            args=args, model=wrapped, optimizer=optimizer,
+            model_parameters=trained_parameters(wrapped), config=self.config)
+        # DeepSpeed's engine leaves inputs where they are: the Trainable moves them.
+        return DeepSpeedTrainable(engine, model, ds_optimizer, self.name, device=device)
 
 
 class DeepSpeedTrainable(Trainable):
@@ -315,6 +322,25 @@ class DeepSpeedTrainable(Trainable):
             "engine 'deepspeed' clips gradients inside its step: set it in the config "
             f"(annot.deepspeed_config(..., gradient_clipping={max_norm}) as config=, or "
             "\"gradient_clipping\" in your own), not with Trainable.clip_grad_norm_")
+
+
+def refuse_other_accelerator(device: torch.device) -> None:
+    """DeepSpeed computes on its accelerator (CUDA when torch sees a GPU, unless
+    ``DS_ACCELERATOR`` says otherwise), whatever annot chose: refuse the CPU where that
+    accelerator is a GPU (a gloo process group on a GPU machine keeps annot on the CPU,
+    pitfall 36) before the model changes, instead of a model on the GPU fed CPU batches.
+    A GPU device with DeepSpeed's CPU accelerator passes: that is a GPU plan checked on a
+    machine without one (`annot.memory`'s strategy calls); a run there stops at
+    `annot.devices.choose_device` first."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator().device_name()
+    if device.type == "cpu" and accelerator != "cpu":
+        raise ValueError(
+            f"engine 'deepspeed' computes on its {accelerator!r} accelerator, but the device is "
+            f"{device}: pass device={accelerator!r} to auto_wrap (a gloo process group keeps "
+            "annot on the CPU unless asked), or set DS_ACCELERATOR=cpu before DeepSpeed is "
+            "imported")
 
 
 def _without_shared_parameters(model: nn.Module, paths: list[str]) -> list[str]:

@@ -145,10 +145,10 @@ class FSDP1(Engine[FSDP1Options]):
         return ShardedGradScaler(device.type, init_scale=INIT_SCALE) if is_fp16(options.mixed_precision) else None
 
     def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
-                  options: FSDP1Options, device: torch.device | None = None) -> Trainable:
-        base = super().trainable(wrapped, model, optimizer, options, device)
+                  options: FSDP1Options, *, device: torch.device | None = None) -> Trainable:
+        base = super().trainable(wrapped, model, optimizer, options, device=device)
         return FSDP1Trainable(base.module, base.model, base.optimizer, base.engine,
-                              scaler=base.scaler)
+                              device=base.device, scaler=base.scaler)
 
     def state(self, trainable: Trainable) -> EngineState:
         """This rank's flat ranges as chunks of the real tensors (docs/design.md, pitfall 24)."""

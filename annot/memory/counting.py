@@ -151,13 +151,23 @@ class FlopCount(TorchDispatchMode):
     formulas (``torch.utils.flop_counter``'s registry: matmuls, convolutions,
     attention). Torch's ``FlopCounterMode`` also tracks modules, through hooks that keep
     a checkpointed unit's recomputed activations alive under ``LiveBytes`` (measured:
-    the traced peak of a checkpointed GPT grew 1.8x); this counts the total only."""
+    the traced peak of a checkpointed GPT grew 1.8x); this counts the total only.
+    torch's registry lacks the CPU kernel of ``scaled_dot_product_attention`` (what a
+    trace on the CPU or on fake tensors runs): it is counted by the formula of the GPU
+    flash kernel, whose arguments begin alike."""
 
     def __init__(self) -> None:
         super().__init__()
         from torch.utils.flop_counter import flop_registry
 
-        self.registry = flop_registry
+        aten = torch.ops.aten
+        self.registry = {
+            **flop_registry,
+            aten._scaled_dot_product_flash_attention_for_cpu:
+                flop_registry[aten._scaled_dot_product_flash_attention],
+            aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                flop_registry[aten._scaled_dot_product_flash_attention_backward],
+        }
         self.total = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -9,8 +9,10 @@ endless synthetic stream of counting sequences (each token is the previous one p
 per-sequence stride; sequence i is drawn from (seed, i) alone), read by
 annot.ResumableLoader: each step takes the next N x batch_size sequences of the stream,
 rank r the r-th block, so the loss falls within a few steps and the data does not depend
-on --steps. Runs on CPU (gloo) or GPUs (nccl); run without torchrun it trains in one
-process.
+on --steps. Runs on GPUs (NCCL; each rank on GPU ``LOCAL_RANK % GPUs``) or on CPU (gloo),
+as `annot.init_distributed` picks, or as ``--device cuda|cpu`` says (more ranks than
+GPUs: CPU unless ``--device cuda``, then the ranks share GPUs over gloo); run without
+torchrun it trains in one process.
 
 With ``--resume DIR`` it continues from the newest complete training state in DIR (model,
 optimizer, step, RNG and the position in the data stream; any world size or engine), if
@@ -54,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="checkpoint every block / none (default: as the Plan says)")
     parser.add_argument("--offload", action="store_true", help="FSDP2: parameters on CPU")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None,
+                        help="cuda or cpu (default: this rank's GPU when there is one, else cpu)")
     parser.add_argument("--resume", metavar="DIR", default=None,
                         help="continue from the newest training state in DIR, and save there")
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "29511")):
         os.environ.setdefault(key, value)  # without torchrun: one process
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = annot.init_distributed(device=args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         # The optimizer is a factory: every engine builds it after sharding (which replaces
         # the parameters), and gives back the same backward / step / zero_grad.
         trainer = annot.auto_wrap(
-            model, args.engine, checkpoint=args.checkpoint,
+            model, args.engine, checkpoint=args.checkpoint, device=device,
             optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
             **({"offload": True} if args.offload else {}))
 
@@ -104,7 +108,6 @@ def main(argv: list[str] | None = None) -> list[float]:
         data = annot.ResumableLoader(
             CountingSequences(args.block_size, args.vocab_size, args.seed + 1),
             batch_size=args.batch_size)
-        device = next(trainer.parameters()).device
         first_step = 0
         if args.resume and annot.latest_state(args.resume) is not None:
             first_step = annot.load_state(args.resume, trainer, data=data).step
