@@ -205,8 +205,9 @@ def test_torch_engines_give_the_trainable_the_request_s_device(engine):
     from annot.engines.registry import get_engine
 
     model = torch.nn.Linear(2, 2)
-    trainable = get_engine(engine).trainable(model, model, lambda p: torch.optim.SGD(p, lr=0.1),
-                                             None, device=torch.device("meta"))
+    steps = get_engine(engine)
+    trainable = steps.trainable(model, model, lambda p: torch.optim.SGD(p, lr=0.1),
+                                steps.options(None), device=torch.device("meta"))
     assert trainable.device == torch.device("meta")
 
 
