@@ -107,6 +107,10 @@ class DDP(Engine[DDPOptions]):
         # the same inf/NaN, so torch's plain scaler agrees across ranks.
         return GradScaler(device.type, init_scale=INIT_SCALE) if is_fp16(options.mixed_precision) else None
 
+    def state(self, trainable: Trainable) -> EngineState:
+        """torch's distributed state-dict API, which gives the layout as it is."""
+        return TorchState(trainable)
+
 
 class AutocastDDP(DistributedDataParallel):
     """``DistributedDataParallel`` whose forward runs under ``torch.autocast``, so the
@@ -117,10 +121,6 @@ class AutocastDDP(DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autocast(self.device.type, dtype=self.autocast_dtype):
             return super().forward(*inputs, **kwargs)
-
-    def state(self, trainable: Trainable) -> EngineState:
-        """torch's distributed state-dict API, which gives the layout as it is."""
-        return TorchState(trainable)
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device,
