@@ -87,3 +87,18 @@ def one_rank():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """A test that leaves a process group in this process fails itself, and the group is
+    destroyed: a later test would otherwise find "the default process group twice", or a
+    forked child (tests/trust/test_interrupted_save.py) would wait forever in a barrier of
+    a group whose threads the fork did not copy."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("this test left a torch.distributed process group initialized: destroy it "
+                    "(dist.destroy_process_group()) or use the one_rank fixture")

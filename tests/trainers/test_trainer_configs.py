@@ -15,6 +15,24 @@ from annot.policies import Policy, by_class, by_name, every_nth
 from examples.gpt.model import GPT, Block
 
 
+
+@pytest.fixture
+def hf_training_arguments():
+    """transformers 5.24's ``TrainingArguments`` sets up Accelerate's distributed state,
+    which joins a one-rank gloo process group in this process: left alone, it made a later
+    test's ``init_process_group`` fail ("twice") and a forked child hang in its barrier.
+    Torn down with Accelerate's state after the test."""
+    transformers = pytest.importorskip("transformers")
+    yield transformers.TrainingArguments
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+
 def gpt() -> GPT:
     return GPT(n_layer=4, n_embd=32, n_head=2, vocab_size=64, block_size=16)
 
@@ -55,12 +73,12 @@ def test_lightning_deepspeed_strategy_formats_annots_config():
 
 
 @pytest.mark.slow
-def test_hf_trainer_fills_annots_config_from_its_arguments(tmp_path):
+def test_hf_trainer_fills_annots_config_from_its_arguments(tmp_path, hf_training_arguments):
     transformers = pytest.importorskip("transformers")
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
     config = annot.deepspeed_config(gpt(), stage=2, for_="hf")
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3,
+    args = hf_training_arguments(output_dir=str(tmp_path), per_device_train_batch_size=3,
                                           gradient_accumulation_steps=2, max_grad_norm=0.5,
                                           report_to=[], use_cpu=True)
     hf = HfTrainerDeepSpeedConfig(copy.deepcopy(config))
@@ -122,7 +140,7 @@ def test_accelerates_fsdp2_plugin_takes_the_plans_classes_and_wraps_them_on_a_fr
     assert chosen == [u.path for u in annot.plan(fresh).units]
 
 
-def test_hf_trainer_takes_the_plans_fsdp_config(tmp_path):
+def test_hf_trainer_takes_the_plans_fsdp_config(tmp_path, hf_training_arguments):
     transformers = pytest.importorskip("transformers")
     from annot.accelerate import hf_fsdp_config
 
@@ -131,7 +149,7 @@ def test_hf_trainer_takes_the_plans_fsdp_config(tmp_path):
     model = transformers.LlamaForCausalLM(config)
     fsdp_config = hf_fsdp_config(model, checkpoint=True)
     assert fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard",
+    args = hf_training_arguments(output_dir=str(tmp_path), fsdp="full_shard",
                                           fsdp_config=fsdp_config, report_to=[], use_cpu=True)
     plugin = args._process_fsdp_args()
     assert plugin["transformer_cls_names_to_wrap"] == "LlamaDecoderLayer"
