@@ -15,7 +15,6 @@ from annot.policies import Policy, by_class, by_name, every_nth
 from examples.gpt.model import GPT, Block
 
 
-
 @pytest.fixture
 def hf_training_arguments():
     """transformers 5.24's ``TrainingArguments`` sets up Accelerate's distributed state,
@@ -74,7 +73,6 @@ def test_lightning_deepspeed_strategy_formats_annots_config():
 
 @pytest.mark.slow
 def test_hf_trainer_fills_annots_config_from_its_arguments(tmp_path, hf_training_arguments):
-    transformers = pytest.importorskip("transformers")
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
     config = annot.deepspeed_config(gpt(), stage=2, for_="hf")
@@ -141,7 +139,8 @@ def test_accelerates_fsdp2_plugin_takes_the_plans_classes_and_wraps_them_on_a_fr
 
 
 def test_hf_trainer_takes_the_plans_fsdp_config(tmp_path, hf_training_arguments):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     from annot.accelerate import hf_fsdp_config
 
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
