@@ -52,6 +52,7 @@ from annot.errors import EngineNotAvailableError
 from annot.meta.layout import WHOLE, ShardLayout
 from annot.meta.materialization import materialize
 from annot.policies import Action, Plan
+from annot.process_group import rank_and_world
 from annot.runtime.activation_checkpoint import CheckpointFn, apply_checkpointing, torch_checkpoint
 from annot.runtime.activation_offload import apply_activation_offload, offloaded_activation_paths
 from annot.runtime.units import unit_paths
@@ -189,7 +190,7 @@ class Trainable:
         # as scaler.step already did to decide whether to step.
         if after < before:
             self.skipped_steps += 1
-            if _rank() == 0:
+            if rank_and_world()[0] == 0:
                 _log.warning(
                     "fp16 loss scaling: inf/NaN gradients, optimizer step skipped (parameters "
                     "unchanged; %d skipped so far); loss scale %g -> %g", self.skipped_steps,
@@ -246,11 +247,6 @@ class Trainable:
 
     def parameters(self) -> Iterable[nn.Parameter]:
         return self.module.parameters()
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 #: The loss scalers' first scale: torch's default, 2^16, is one more than fp16 holds
