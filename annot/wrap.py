@@ -134,6 +134,10 @@ def auto_wrap(
             f"engine {steps.name!r} needs optimizer=: a function from parameters to an "
             "optimizer (e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)); DeepSpeed "
             "calls it after partitioning the model")
+    needed = steps.optimizer_needed()
+    if needed is not None and optimizer is None:
+        raise ValueError(f"engine {steps.name!r}: {needed} (e.g. optimizer=lambda params: "
+                         "torch.optim.AdamW(params, lr=3e-4))")
     if request.load_from is not None:  # shapes and dtypes from the headers, before any allocation
         check_compatible(model, request.load_from)
     checkpointed = steps.checkpoint_paths(model, plan, checkpoint)

@@ -1,9 +1,11 @@
 """`ParallelDims`: how many ranks each parallel dimension spans, as sizes.
 
-A layout over ``world`` ranks is three sizes whose product is the world: ``replicate``
+A layout over ``world`` ranks is four sizes whose product is the world: ``replicate``
 (data-parallel replicas, outermost, e.g. across nodes: HSDP), ``shard`` (ranks one
-replica's parameters are sharded over) and ``tp`` (tensor parallel, innermost:
-consecutive ranks), the order torchtitan uses ([dp_replicate, dp_shard, tp]). The
+replica's parameters are sharded over), ``cp`` (context parallel: ranks that split one
+batch's sequences; parameters are sharded over ``shard x cp``) and ``tp`` (tensor
+parallel, innermost: consecutive ranks), the order torchtitan uses ([dp_replicate,
+dp_shard, cp, tp]). The
 names are also the dimension names of the device mesh the engines build from it
 (`annot.engines.mesh`). Pure data: no torch, so the Plan can carry it.
 """
@@ -17,14 +19,16 @@ from typing import Any
 __all__ = ["DIM_NAMES", "ParallelDims"]
 
 #: The mesh dimension names, outermost first.
-DIM_NAMES = ("replicate", "shard", "tp")
+DIM_NAMES = ("replicate", "shard", "cp", "tp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """Sizes of the parallel dimensions; ``-1`` (at most one) means "the rest of the
     world". ``ParallelDims(replicate=2)`` on 16 ranks is HSDP: 2 replicas, each sharded
-    over 8 ranks. ``replicate=1, shard=-1, tp=1`` (the defaults) is plain sharding.
+    over 8 ranks. ``replicate=1, shard=-1, cp=1, tp=1`` (the defaults) is plain sharding.
+    ``ParallelDims(cp=2)`` on 8 ranks splits each batch's sequences over pairs of ranks
+    (4 data-parallel groups) and shards parameters over all 8 (``shard x cp``).
 
     `resolve` checks the sizes against a world and fills in ``-1``: sizes whose product
     is not the world, or a ``-1`` left with one rank (the layout asked for is not there),
@@ -33,6 +37,7 @@ class ParallelDims:
 
     replicate: int = 1
     shard: int = -1
+    cp: int = 1
     tp: int = 1
 
     def __post_init__(self) -> None:
@@ -70,7 +75,8 @@ class ParallelDims:
             raise ValueError(
                 f"{self} on {world} ranks: {world} is not a multiple of {known} (the product "
                 f"of the other sizes), so {rest}=-1 has no size: choose sizes that divide {world}")
-        if world // known == 1 and world > 1:
+        # shard=1 beside cp > 1 still shards: parameters are sharded over shard x cp.
+        if world // known == 1 and world > 1 and not (rest == "shard" and self.cp > 1):
             raise ValueError(
                 f"{self} on {world} ranks leaves {rest}=1: the other sizes already take every "
                 f"rank, so nothing is {_VERB[rest]}. Give a smaller "
@@ -84,8 +90,10 @@ class ParallelDims:
         return math.prod(self.sizes.values()) if self.resolved else None
 
     def describe(self) -> str:
-        """``"replicate 2 x shard 4 x tp 1 (8 ranks)"``, for tables and messages."""
-        dims = " x ".join(f"{n} {'rest' if s == -1 else s}" for n, s in self.sizes.items())
+        """``"replicate 2 x shard 4 x tp 1 (8 ranks)"``, for tables and messages (``cp``
+        only when it is not 1)."""
+        dims = " x ".join(f"{n} {'rest' if s == -1 else s}" for n, s in self.sizes.items()
+                          if n != "cp" or s != 1)
         return dims + (f" ({self.world} ranks)" if self.world is not None else "")
 
     def meaning(self) -> str:
@@ -98,15 +106,20 @@ class ParallelDims:
                     f"each sharded over {shard}")
         else:
             data = f"sharded over {shard}"
+        if sizes["cp"] != 1:
+            data += (f", sequences split over {'the rest' if sizes['cp'] == -1 else sizes['cp']}"
+                     " (context parallel; parameters sharded over shard x cp)")
         if sizes["tp"] != 1:
             data += f", tensor parallel over {'the rest' if sizes['tp'] == -1 else sizes['tp']}"
         return data
 
     def __str__(self) -> str:
-        return "ParallelDims(" + ", ".join(f"{n}={s}" for n, s in self.sizes.items()) + ")"
+        return "ParallelDims(" + ", ".join(f"{n}={s}" for n, s in self.sizes.items()
+                                           if n != "cp" or s != 1) + ")"
 
     def to_dict(self) -> dict[str, int]:
-        return dict(self.sizes)
+        # cp=1 is left out, so a Plan's JSON without context parallelism keeps its shape.
+        return {n: s for n, s in self.sizes.items() if n != "cp" or s != 1}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelDims:
@@ -132,4 +145,5 @@ class ParallelDims:
         return cls.from_dict(data)
 
 
-_VERB = {"replicate": "replicated", "shard": "sharded", "tp": "split by tensor parallelism"}
+_VERB = {"replicate": "replicated", "shard": "sharded", "cp": "split along the sequence",
+         "tp": "split by tensor parallelism"}

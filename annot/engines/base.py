@@ -55,6 +55,7 @@ from annot.policies import Action, Plan
 from annot.process_group import rank_and_world
 from annot.runtime.activation_checkpoint import CheckpointFn, apply_checkpointing, torch_checkpoint
 from annot.runtime.activation_offload import apply_activation_offload, offloaded_activation_paths
+from annot.runtime.context_parallel import ContextParallel
 from annot.runtime.units import unit_paths
 
 if TYPE_CHECKING:
@@ -148,6 +149,10 @@ class Trainable:
     ``device`` is where the engine computes: a call moves the tensors it is given there
     first (DDP and FSDP do so on a GPU themselves, DeepSpeed does not), so one loop feeding
     CPU batches runs on every engine; ``None`` leaves them where they are.
+    ``context_parallel`` (FSDP2 with a ``"cp"`` mesh dimension): a call gets the whole
+    sequences, runs on this rank's part of them and returns the whole sequence's loss
+    (`annot.runtime.context_parallel`; other outputs, the logits, stay this rank's part);
+    ``backward`` recomputes checkpointed attention over the whole sequence again.
     """
 
     module: nn.Module
@@ -160,15 +165,27 @@ class Trainable:
     scaler: GradScaler | None = None
     #: Optimizer steps the scaler skipped because a gradient was inf or NaN.
     skipped_steps: int = 0
+    #: The sequence split of context parallelism (``None``: each rank has whole sequences).
+    context_parallel: ContextParallel | None = None
     #: Whether the gradients of this step are unscaled already (`clip_grad_norm_`).
     _unscaled: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.device is not None:
             args, kwargs = move_to_device(args, kwargs, self.device)
+        if self.context_parallel is not None:
+            return self.context_parallel.call(self.module, args, kwargs)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.context_parallel is not None:
+            # A checkpointed block recomputes its attention in backward: split again.
+            with self.context_parallel.attention():
+                self._backward(loss)
+        else:
+            self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor) -> None:
         if self.scaler is None:
             loss.backward()
         else:
@@ -310,6 +327,11 @@ class Engine(Generic[OptionsT]):
     #: Option names of the previous release this engine still takes, with a
     #: `DeprecationWarning`, until the release `annot._deprecation.REMOVED_IN`.
     deprecated_options: ClassVar[dict[str, RenamedOption]] = {}
+
+    def optimizer_needed(self) -> str | None:
+        """Why `auto_wrap` needs ``optimizer=`` for what `check` saw (``None``: it does
+        not). Asked after `check`; `requires_optimizer` engines always need one."""
+        return None
 
     def options(self, given: OptionsT | None, **kwargs: Any) -> OptionsT:
         """The engine's options from an ``Options`` instance or keyword arguments."""

@@ -45,7 +45,7 @@ from annot.engines.base import (
     resolve_torch_offload,
 )
 from annot.engines.dtypes import refuse_fsdp1_dtypes
-from annot.engines.mesh import MeshLike, data_parallel_mesh, resolve_mesh
+from annot.engines.mesh import MeshLike, data_parallel_mesh, refuse_context_parallel, resolve_mesh
 from annot.engines.tool_policy import PlanPolicy
 from annot.engines.training_state import FlatState
 from annot.errors import EngineNotAvailableError
@@ -124,6 +124,8 @@ class FSDP1(Engine[FSDP1Options]):
                 raise EngineNotAvailableError(
                     "the Plan offloads some units, but FSDP1 offloads all parameters or none: "
                     "pass offload=True or offload=False, or use engine='fsdp2'")
+        refuse_context_parallel(options.mesh if options.mesh is not None else plan.parallel,
+                                self.name)
         mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type, self.name)
         if mesh is not None:
             self.mesh = _whole_world_mesh(data_parallel_mesh(mesh))

@@ -40,6 +40,7 @@ from annot.engines.base import (
     INIT_SCALE,
     Engine,
     EngineState,
+    OptimizerFactory,
     Trainable,
     WrapRequest,
     checkpoint_and_offload_activations,
@@ -49,7 +50,7 @@ from annot.engines.base import (
     resolve_torch_offload,
 )
 from annot.engines.dtypes import refuse_fsdp2_dtypes
-from annot.engines.mesh import MeshLike, resolve_mesh, split_mesh
+from annot.engines.mesh import MeshLike, context_parallel_mesh, resolve_mesh, split_mesh
 from annot.engines.tensor_parallel import (
     TP_DIM,
     TensorParallelPlan,
@@ -60,6 +61,7 @@ from annot.engines.tensor_parallel import (
 from annot.engines.training_state import TorchState
 from annot.policies import Action, Plan, Unit
 from annot.policies.parallel import ParallelDims
+from annot.runtime.context_parallel import ContextParallel, refuse_unsplittable
 
 __all__ = [
     "FSDP2", "FSDP2Options", "apply_fsdp2", "holds_fsdp2", "mixed_precision_policy",
@@ -90,8 +92,11 @@ class FSDP2Options:
             named by its names (`annot.engines.mesh`). A dimension named ``"tp"`` (the
             last one) is tensor parallel: ``tp_plan`` is applied on it first, then FSDP2
             shards over the other dimensions (``"shard"``, or ``"replicate"`` and
-            ``"shard"``: HSDP). A mesh that does not cover the world is refused unless
-            the model's parameters are already DTensors over the rest.
+            ``"shard"``: HSDP). A ``"cp"`` dimension (``ParallelDims(cp=2)``) is context
+            parallel: parameters are sharded over ``shard x cp`` and the `Trainable`
+            (``optimizer=`` is needed) splits each call's sequences over the cp ranks
+            (`annot.runtime.context_parallel`). A mesh that does not cover the world is
+            refused unless the model's parameters are already DTensors over the rest.
         tp_plan: what tensor parallelism splits: ``None`` the model's own plan (a
             transformers model's ``_tp_plan``), `annot.tp_rule` (Linear layers by name),
             or a mapping of module patterns to styles (transformers' form). Only with a
@@ -139,6 +144,8 @@ class FSDP2(Engine[FSDP2Options]):
         self.mesh: DeviceMesh | None = None
         self.tp_mesh: DeviceMesh | None = None
         self.tp_plan: TensorParallelPlan | None = None
+        #: The context-parallel dimension (``None``: none, or one of a single rank).
+        self.cp_mesh: DeviceMesh | None = None
 
     def check(self, model: nn.Module, request: WrapRequest, options: FSDP2Options) -> None:
         plan = request.plan
@@ -155,6 +162,9 @@ class FSDP2(Engine[FSDP2Options]):
                     "init_device_mesh(..., mesh_dim_names=('replicate', 'shard')), or pass "
                     "mesh=annot.ParallelDims(replicate=...)")
             refuse_unsynchronised_mesh(model, mesh)
+            self.cp_mesh = context_parallel_mesh(mesh)
+            if self.cp_mesh is not None:
+                refuse_unsplittable(model)
         if self.tp_mesh is not None:
             self.tp_plan = check_tensor_parallel(model, options.tp_plan, self.tp_mesh.size())
         elif options.tp_plan is not None:
@@ -169,6 +179,19 @@ class FSDP2(Engine[FSDP2Options]):
         # for explicitly.
         checkpoint_and_offload_activations(model, request.plan, checkpoint_paths,
                                            options.offload_activations)
+
+    def optimizer_needed(self) -> str | None:
+        if self.cp_mesh is None:
+            return None
+        return ("context parallelism (a 'cp' mesh dimension) needs optimizer=: the Trainable "
+                "splits each call's sequences and reduces the loss over the cp ranks")
+
+    def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
+                  options: FSDP2Options, *, device: torch.device | None = None) -> Trainable:
+        trainable = super().trainable(wrapped, model, optimizer, options, device=device)
+        if self.cp_mesh is not None:
+            trainable.context_parallel = ContextParallel(self.cp_mesh.get_group(), model)
+        return trainable
 
     def loss_scaler(self, options: FSDP2Options, device: torch.device) -> ShardedGradScaler | None:
         # Sharded: each rank sees only its shards' gradients, so an inf on one rank must

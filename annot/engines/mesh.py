@@ -1,7 +1,11 @@
 """Device meshes for the engines: built from `ParallelDims`, read by dimension name.
 
 The one convention (shared with tensor parallelism): a mesh's dimensions are named
-``"replicate"``, ``"shard"`` and ``"tp"``, outermost first. A 1-D mesh is sharded over;
+``"replicate"``, ``"shard"``, ``"cp"`` and ``"tp"``, outermost first. A ``"cp"``
+(context parallel) dimension of more than one rank is flattened with ``"shard"`` into
+one dimension, ``"shard_cp"``, that parameters are sharded over (torchtitan's
+``dp_shard_cp``): the ranks of a cp group hold the same parameters, so they share their
+shards as data-parallel ranks do; the sequence split is `annot.runtime.context_parallel`'s. A 1-D mesh is sharded over;
 an unnamed 2-D mesh is (replicate, shard) by position, as FSDP1's ``HYBRID_SHARD`` reads
 it (torch 2.13's ``fully_shard`` asks for names: FSDP2 refuses it with the fix); a named
 mesh is read by its names. Without torch 2.13's new ``dp_mesh_dims`` both torch engines
@@ -19,17 +23,23 @@ from annot.engines.checks import require_process_group
 from annot.policies.parallel import DIM_NAMES, ParallelDims
 
 __all__ = [
-    "MeshLike", "build_mesh", "data_parallel_mesh", "refuse_plan_dims", "resolve_mesh", "split_mesh",
+    "SHARD_CP", "MeshLike", "build_mesh", "context_parallel_mesh", "data_parallel_mesh",
+    "refuse_context_parallel", "refuse_plan_dims", "resolve_mesh", "split_mesh",
 ]
+
+#: The name of the flattened ``("shard", "cp")`` dimension FSDP2 shards over.
+SHARD_CP = "shard_cp"
 
 MeshLike = DeviceMesh | ParallelDims
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The 3-D mesh ``(replicate, shard, tp)`` over the world for ``dims`` (resolved
-    against the world first: sizes that do not fit are a `ValueError`)."""
-    dims = dims.resolve(dist.get_world_size())
-    return init_device_mesh(device_type, tuple(dims.sizes.values()), mesh_dim_names=DIM_NAMES)
+    """The mesh ``(replicate, shard, tp)`` over the world for ``dims``, with ``cp``
+    between shard and tp when it is not 1 (resolved against the world first: sizes that
+    do not fit are a `ValueError`)."""
+    sizes = {n: s for n, s in dims.resolve(dist.get_world_size()).sizes.items()
+             if n != "cp" or s != 1}
+    return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
 
 
 def resolve_mesh(mesh: MeshLike | None, plan_dims: ParallelDims | None,
@@ -53,16 +63,41 @@ def resolve_mesh(mesh: MeshLike | None, plan_dims: ParallelDims | None,
 def refuse_plan_dims(plan_dims: ParallelDims | None, engine: str, instead: str) -> None:
     """An engine without meshes (DDP, DeepSpeed) cannot honour a Plan whose parallel
     dims ask for replicas or tensor parallelism: refused rather than ignored."""
+    refuse_context_parallel(plan_dims, engine)
     if plan_dims is not None and (plan_dims.replicate != 1 or plan_dims.tp != 1):
         raise ValueError(f"the Plan's parallel dims {plan_dims} need a device mesh, which engine "
                          f"{engine!r} does not take: {instead}, or plan without parallel=")
+
+
+def refuse_context_parallel(dims: MeshLike | None, engine: str) -> None:
+    """Context parallelism is FSDP2's (its `Trainable` splits the sequences): any other
+    engine refuses dims or a mesh with ``cp`` above 1, rather than train each rank on a
+    part of the sequence as if it were the whole."""
+    cp = 1
+    if isinstance(dims, ParallelDims):
+        cp = dims.cp
+    elif isinstance(dims, DeviceMesh) and (found := context_parallel_mesh(dims)) is not None:
+        cp = found.size()
+    if cp != 1:
+        raise ValueError(f"engine {engine!r} has no context parallelism (cp={cp}): use "
+                         "engine='fsdp2', or parallel dims with cp=1")
+
+
+def context_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """``mesh``'s ``"cp"`` dimension, or ``None`` when it has none or one of a single rank."""
+    names = mesh.mesh_dim_names or ()
+    if "cp" in names and mesh["cp"].size() > 1:
+        return mesh["cp"]
+    return None
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The part of ``mesh`` that shards parameters: 1-D (shard) or 2-D (replicate,
     shard), in the order ``fully_shard`` and FSDP1 read it. A named mesh's ``tp``
     dimension is left to tensor parallelism, and a ``replicate`` of size 1 is dropped
-    (plain sharding). Refuses names it does not know, and dimensions out of order."""
+    (plain sharding). A ``"cp"`` dimension of more than one rank is flattened with
+    ``"shard"`` (`SHARD_CP`), which takes shard's place. Refuses names it does not know,
+    and dimensions out of order."""
     names = mesh.mesh_dim_names
     if names is None:
         if mesh.ndim > 2:
@@ -71,22 +106,27 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return mesh  # 1-D: shard; 2-D: (replicate, shard) by position
     if mesh.ndim == 1:
         return mesh  # one dimension: shard over it, whatever it is called
-    unknown = [n for n in names if n not in DIM_NAMES]
-    if unknown or "shard" not in names:
+    known = {**{n: i for i, n in enumerate(DIM_NAMES)}, SHARD_CP: DIM_NAMES.index("shard")}
+    unknown = [n for n in names if n not in known]
+    if unknown or not {"shard", SHARD_CP} & set(names):
         raise ValueError(
             f"mesh dimensions {names}: annot reads a named mesh by the names "
             f"{', '.join(map(repr, DIM_NAMES))} (torch's fully_shard and FSDP1 would read a "
             "2-D mesh by position, as (replicate, shard), whatever it is called): name them "
             "so, or pass the data-parallel dimension alone (mesh['dp'])")
-    order = [DIM_NAMES.index(n) for n in names]
+    order = [known[n] for n in names]
     if order != sorted(order):
         raise ValueError(
             f"mesh dimensions {names} are out of order: replicate must be outermost and tp "
             "innermost (torch's engines read (replicate, shard) by position); build it as "
             f"init_device_mesh(..., mesh_dim_names={tuple(n for n in DIM_NAMES if n in names)})")
+    shard = SHARD_CP if SHARD_CP in names else "shard"
+    if context_parallel_mesh(mesh) is not None:
+        mesh["shard", "cp"]._flatten(SHARD_CP)  # then reachable as mesh[SHARD_CP]
+        shard = SHARD_CP
     if "replicate" in names and mesh["replicate"].size() > 1:
-        return mesh["replicate", "shard"]
-    return mesh["shard"]
+        return mesh["replicate", shard]
+    return mesh[shard]
 
 
 def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:

@@ -106,7 +106,7 @@ INTER_NODE_BW = 25.0
 TFLOPS = 150.0
 
 OPS = ("all-gather", "reduce-scatter", "all-reduce")
-DIMS = ("world", "replicate", "shard", "tp")
+DIMS = ("world", "replicate", "shard", "cp", "tp")
 
 
 def ring_bytes(op: str, size: float, ranks: int) -> float:
@@ -146,15 +146,21 @@ class Network:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Ranks as ``replicate x shard x tp`` (tp innermost, replicate outermost)."""
+    """Ranks as ``replicate x shard x cp x tp`` (tp innermost, replicate outermost)."""
 
     replicate: int = 1
     shard: int = 1
     tp: int = 1
+    #: Context parallel: ranks splitting one sequence (FSDP2 shards over shard x cp).
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.replicate * self.shard * self.tp
+        return self.replicate * self.shard * self.cp * self.tp
+
+    def flattened(self) -> Layout:
+        """The layout FSDP2 shards over: ``shard x cp`` as one shard dimension."""
+        return dataclasses.replace(self, shard=self.shard * self.cp, cp=1)
 
     def group(self, dim: str) -> tuple[int, int]:
         """(ranks, stride between consecutive members) of one group along ``dim``."""
@@ -162,10 +168,12 @@ class Layout:
             return self.world, 1
         if dim == "tp":
             return self.tp, 1
+        if dim == "cp":
+            return self.cp, self.tp
         if dim == "shard":
-            return self.shard, self.tp
+            return self.shard, self.cp * self.tp
         if dim == "replicate":
-            return self.replicate, self.shard * self.tp
+            return self.replicate, self.shard * self.cp * self.tp
         raise ValueError(f"unknown layout dimension {dim!r}; one of {', '.join(DIMS)}")
 
     def span(self, dim: str, gpus_per_node: int) -> tuple[int, int]:
@@ -187,7 +195,7 @@ def strategy_layout(strategy: Strategy, world: int) -> Layout:
     if not sizes:
         return Layout(shard=world)
     return Layout(replicate=sizes.get("replicate", 1), shard=sizes.get("shard", 1),
-                  tp=sizes.get("tp", 1))
+                  tp=sizes.get("tp", 1), cp=sizes.get("cp", 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,7 +482,8 @@ def step_communication(collectives: Iterable[Collective], layout: Layout,
     docstring), of ``collectives`` over ``layout`` on ``network``."""
     if layout.world != network.world:
         raise MemoryInputError(
-            f"the layout {layout.replicate} x {layout.shard} x {layout.tp} (replicate x shard x tp) "
+            f"the layout {layout.replicate} x {layout.shard} x {layout.cp} x {layout.tp} "
+            "(replicate x shard x cp x tp) "
             f"has {layout.world} ranks, the machines {network.world} "
             f"({network.nodes} x {network.gpus_per_node})")
     intra = inter = seconds = inter_seconds = 0.0

@@ -32,6 +32,14 @@ from annot.memory.communication import (
     strategy_layout,
     tp_styles,
 )
+from annot.memory.context_parallel import (
+    AttentionShape,
+    attention_shape,
+    cp_collectives,
+    cp_extra_flops,
+    cp_gathered_bytes,
+    cp_strategies,
+)
 from annot.memory.engine_memory import (
     OPTIMIZERS,
     ModelFacts,
@@ -240,7 +248,8 @@ def _trace_setting(strategy: Strategy, precision: str) -> tuple[torch.dtype | No
 def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, plan: Plan, *,
                     world: int, precision: str, optimizer: str,
                     records: tuple[ParamRecord, ...] | None = None,
-                    styles: dict[str, str] | None = None) -> RankMemory:
+                    styles: dict[str, str] | None = None,
+                    attention: AttentionShape | None = None) -> RankMemory:
     """`rank_memory` of ``strategy`` with the config annot writes for it, on ``trace``
     (the training step traced in ``strategy``'s precision setting, `_trace_setting`).
 
@@ -249,7 +258,9 @@ def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, pla
     parameters (``records`` and their ``styles``) before FSDP2 shards them over
     ``shard`` (activations are counted whole: an upper bound, as the split layers'
     interiors shrink too); hpZ adds its secondary partition, the parameters over the
-    ``hpz_partition_size`` ranks of a node.
+    ``hpz_partition_size`` ranks of a node. Context parallelism (a ``cp`` dimension:
+    ``trace`` is of the sequence one rank holds) shards over ``shard x cp`` and adds the
+    other ranks' keys and values (``attention``, `annot.memory.context_parallel`).
     """
     layout = strategy_layout(strategy, world)
     zero = None
@@ -266,8 +277,18 @@ def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, pla
             raise MemoryInputError(f"{strategy.label}: tensor parallelism needs the parameter "
                                    "records and the tensor-parallel styles")
         facts = _tp_facts(facts, records, styles, layout.tp)
-    memory = rank_memory(strategy, trace, facts, world=layout.shard if strategy.mesh else world,
+    memory = rank_memory(strategy, trace, facts,
+                         world=layout.shard * layout.cp if strategy.mesh else world,
                          precision=precision, optimizer=optimizer, ds_zero=zero)
+    if layout.cp > 1:
+        if attention is None:
+            raise MemoryInputError(f"{strategy.label}: context parallelism needs the attention shape")
+        gathered = cp_gathered_bytes(attention, batch=trace.batch, seq=trace.seq * layout.cp,
+                                     cp=layout.cp, act_bytes=4 if precision == "fp32" else 2,
+                                     checkpoint=trace.checkpoint)
+        memory = dataclasses.replace(
+            memory, device=memory.device + gathered, combined=memory.combined + gathered,
+            parts={**memory.parts, "cp: other ranks' keys and values": gathered})
     if hpz > 1:
         secondary = -(-facts.params // hpz) * _bytes(precision, strategy.engine, optimizer)["param"]
         memory = dataclasses.replace(
@@ -293,7 +314,8 @@ def _tp_facts(facts: ModelFacts, records: tuple[ParamRecord, ...], styles: dict[
 
 def step_time(strategy: Strategy, trace: StepTrace, plan: Plan, model: nn.Module,
               records: tuple[ParamRecord, ...], network: Network, *, precision: str,
-              optimizer: str, styles: dict[str, str] | None = None) -> StepTime:
+              optimizer: str, styles: dict[str, str] | None = None,
+              attention: AttentionShape | None = None) -> StepTime:
     """Compute, communication and step time of ``strategy`` for the step ``trace``
     (`StepTime`, `annot.memory.communication`)."""
     from annot.engines.deepspeed_config import PERSISTENCE_THRESHOLD
@@ -318,11 +340,25 @@ def step_time(strategy: Strategy, trace: StepTrace, plan: Plan, model: nn.Module
                 again = any(path == p or path.startswith(p + ".") or p == "" for p in recomputed)
                 split += (6 + 2 * again) * trace.batch * trace.seq * weight.numel()
         flops -= split - split // layout.tp
+    # FSDP2 shards over shard x cp as one dimension (annot.engines.mesh).
     collectives = step_collectives(
-        strategy.engine, stage=strategy.stage, records=records, layout=layout, dtypes=dtypes,
-        hpz=int(strategy.option("hpz_partition_size", 1)),
+        strategy.engine, stage=strategy.stage, records=records, layout=layout.flattened(),
+        dtypes=dtypes, hpz=int(strategy.option("hpz_partition_size", 1)),
         persistence_threshold=PERSISTENCE_THRESHOLD, tp=tp)
-    comm = step_communication(collectives, layout, network)
+    comm = step_communication(collectives, layout.flattened(), network)
+    if layout.cp > 1:
+        if attention is None:
+            raise MemoryInputError(f"{strategy.label}: context parallelism needs the attention shape")
+        whole = trace.seq * layout.cp
+        cp_comm = step_communication(
+            cp_collectives(attention, batch=trace.batch, seq=whole, cp=layout.cp,
+                           act_bytes=dtypes.activation, checkpoint=trace.checkpoint),
+            layout, network)
+        comm = StepCommunication(comm.collectives + cp_comm.collectives, comm.intra + cp_comm.intra,
+                                 comm.inter + cp_comm.inter, comm.seconds + cp_comm.seconds,
+                                 comm.inter_seconds + cp_comm.inter_seconds)
+        flops += cp_extra_flops(attention, batch=trace.batch, seq=whole, cp=layout.cp,
+                                checkpoint=trace.checkpoint)
     return StepTime(flops=flops, compute=flops / network.flops, comm=comm,
                     tokens=trace.batch * trace.seq * network.world // layout.tp)
 
@@ -346,6 +382,7 @@ def estimate_memory(
     inter_node_bw: float = INTER_NODE_BW,
     tflops: float = TFLOPS,
     tp_plan: dict[str, str] | None = None,
+    cp: tuple[int, ...] = (),
 ) -> MemoryReport:
     """Per-GPU and per-host memory of every strategy for ``model`` (build it on the meta
     device: nothing is allocated), each one's communication and step time, and the
@@ -366,6 +403,11 @@ def estimate_memory(
     Linear layers by name; ``{}``: no tensor-parallel row) says what tensor parallelism
     splits. When the recommended strategy's step is bound by the inter-node link, the
     fastest two-dimensional layout that fits replaces it.
+
+    ``cp``: context-parallel sizes to weigh, each a row ``FSDP2 + CP c`` (each sequence
+    of ``seq`` tokens split over ``c`` ranks of a node, parameters sharded over every
+    rank; `annot.memory.context_parallel`), preferred after the strategies that keep
+    model states on the GPU and before offload. Default none.
     """
     wrappers = {"DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"}
     if any(hasattr(p, "device_mesh") for p in model.parameters()) or any(
@@ -389,8 +431,9 @@ def estimate_memory(
     rows, activations, strategies = _rows(
         model, plan, network=network, batch=batch, seq=seq, precision=precision,
         optimizer=optimizer, gpu_mem=gpu_mem, host_mem=host_mem, margin=margin, reserve=reserve,
-        inputs=inputs, styles=styles)
-    key, checkpoint, reason = _recommend(rows, plan.total_params, gpu_mem, bool(activations.per_unit))
+        inputs=inputs, styles=styles, cp=tuple(cp))
+    key, checkpoint, reason = _recommend(rows, plan.total_params, gpu_mem, bool(activations.per_unit),
+                                         cp=tuple(cp))
     if nodes > 1 and key is not None:
         key, checkpoint, reason = _prefer_network(rows, key, checkpoint, reason)
     return MemoryReport(
@@ -429,7 +472,7 @@ def _tensor_parallel_styles(model: nn.Module, tp_plan: dict[str, str] | None,
 def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: int,
           precision: str, optimizer: str, gpu_mem: int, host_mem: int, margin: float,
           reserve: int, inputs: InputsFn | None, styles: dict[str, str],
-          keys: tuple[str, ...] | None = None,
+          keys: tuple[str, ...] | None = None, cp: tuple[int, ...] = (),
           ) -> tuple[list[StrategyRow], ActivationEstimate, dict[str, Strategy]]:
     gpus, world = network.gpus_per_node, network.world
     half = torch.float16 if precision == "fp16-mixed" else torch.bfloat16
@@ -437,27 +480,36 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
                                     dtype=None if precision in ("fp32", "amp") else half, inputs=inputs)
     facts = model_facts(model, plan)
     records = param_records(model, plan)
-    candidates = (*STRATEGIES, *layout_strategies(gpus, network.nodes, tp=bool(styles)))
+    candidates = (*STRATEGIES, *layout_strategies(gpus, network.nodes, tp=bool(styles)),
+                  *cp_strategies(cp, gpus, world))
     chosen = [s for s in candidates if keys is None or s.key in keys]
+    attention = attention_shape(model) if cp else None
+    # A cp row is traced at the sequence one rank holds.
+    seqs = {s.key: seq // dict(s.mesh).get("cp", 1) for s in chosen}
+    for c in cp:
+        if seq % (2 * c):
+            raise MemoryInputError(f"cp={c}: seq {seq} is not a multiple of {2 * c} (each sequence "
+                                   f"is split into {2 * c} equal chunks)")
     # With no unit to checkpoint, the checkpointed step is the plain one: traced once.
     can_checkpoint = bool(plan.paths(Action.CHECKPOINT))
     traces: dict[tuple[Any, ...], StepTrace] = {}
     for s in chosen:
         dtype, autocast = _trace_setting(s, precision)
         for checkpoint in (False, can_checkpoint):
-            if (dtype, autocast, checkpoint) not in traces:
-                traces[(dtype, autocast, checkpoint)] = trace_step(
-                    model, plan, batch=batch, seq=seq, checkpoint=checkpoint, dtype=dtype,
+            if (dtype, autocast, checkpoint, seqs[s.key]) not in traces:
+                traces[(dtype, autocast, checkpoint, seqs[s.key])] = trace_step(
+                    model, plan, batch=batch, seq=seqs[s.key], checkpoint=checkpoint, dtype=dtype,
                     autocast=autocast, inputs=inputs)
     rows = []
     for s in chosen:
         setting = _trace_setting(s, precision)
-        plain, ckpt = (strategy_memory(s, traces[(*setting, c)], facts, plan, world=world,
+        plain, ckpt = (strategy_memory(s, traces[(*setting, c, seqs[s.key])], facts, plan, world=world,
                                        precision=precision, optimizer=optimizer, records=records,
-                                       styles=styles)
+                                       styles=styles, attention=attention)
                        for c in (False, can_checkpoint))
-        times = [step_time(s, traces[(*setting, c)], plan, model, records, network,
-                           precision=precision, optimizer=optimizer, styles=styles)
+        times = [step_time(s, traces[(*setting, c, seqs[s.key])], plan, model, records, network,
+                           precision=precision, optimizer=optimizer, styles=styles,
+                           attention=attention)
                  for c in (False, can_checkpoint)]
         nvme = s.option("offload") == "nvme"
         host = max(plain.host, ckpt.host) * gpus  # every rank of a node offloads to its host
@@ -475,11 +527,21 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
     return rows, activations, {s.key: s for s in chosen}
 
 
+def _preference(cp: tuple[int, ...]) -> tuple[tuple[str, bool], ...]:
+    """`PREFERENCE` with the cp rows (smallest cp first) after the strategies that keep
+    model states on the GPU, before offload: splitting the sequence costs collectives
+    inside a node, moving states off the GPU costs host transfers every step."""
+    at = PREFERENCE.index(("zero2-offload", True))
+    rows = tuple((f"fsdp2-cp{c}", ckpt) for ckpt in (False, True) for c in sorted(cp))
+    return PREFERENCE[:at] + rows + PREFERENCE[at:]
+
+
 def _recommend(
-    rows: list[StrategyRow], params: int, gpu_mem: int, can_checkpoint: bool
+    rows: list[StrategyRow], params: int, gpu_mem: int, can_checkpoint: bool,
+    cp: tuple[int, ...] = (),
 ) -> tuple[str | None, bool | None, str]:
     by_key = {r.key: r for r in rows}
-    for key, checkpoint in PREFERENCE:
+    for key, checkpoint in _preference(cp):
         if checkpoint and not can_checkpoint or key not in by_key:
             continue
         row = by_key[key]
@@ -496,7 +558,9 @@ def _recommend(
             "fsdp2-no-reshard": "parameters must be sharded; kept gathered from forward to backward",
             "fsdp2": "parameters must be sharded too (ZeRO-3-like)",
             "zero3": "parameters must be sharded too",
-        }.get(key, "it does not fit on the GPUs without moving model states off them")
+        }.get(key, "the sequence must be split over ranks: no strategy without context parallelism "
+                   "fits" if key.startswith("fsdp2-cp") else
+                   "it does not fit on the GPUs without moving model states off them")
         return key, checkpoint, (
             f"{row.label} {how}: {format_bytes(need)} counted of {format_bytes(gpu_mem)} per GPU; {why}"
         )

@@ -125,13 +125,17 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits for ``idx`` (B, T); with ``targets`` also the mean cross-entropy loss."""
+        """Logits for ``idx`` (B, T); with ``targets`` also the mean cross-entropy loss.
+        ``position_ids`` (B, T) or (T,): each token's place, default 0..T-1 (context
+        parallelism passes the places of the chunks a rank holds)."""
         _, t = idx.shape
-        if t > self.config.block_size:
+        if position_ids is None and t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(t, dtype=torch.long, device=idx.device)
+        pos = (torch.arange(t, dtype=torch.long, device=idx.device) if position_ids is None
+               else position_ids)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)

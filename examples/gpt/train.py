@@ -1,7 +1,7 @@
 """Train the example GPT for a few steps on N processes, sharded by annot.
 
     torchrun --nproc_per_node 2 examples/gpt/train.py [--steps 20] [--engine fsdp2|fsdp1|ddp|deepspeed]
-                                                      [--resume DIR --save-every N]
+                                                      [--resume DIR --save-every N] [--cp N]
 
 The model is built under annot.meta_init (no memory) and materialized by auto_wrap.
 Rank 0 prints the Plan, then the loss of every step (averaged over ranks). The data is an
@@ -13,6 +13,11 @@ on --steps. Runs on GPUs (NCCL; each rank on GPU ``LOCAL_RANK % GPUs``) or on CP
 as `annot.init_distributed` picks, or as ``--device cuda|cpu`` says (more ranks than
 GPUs: CPU unless ``--device cuda``, then the ranks share GPUs over gloo); run without
 torchrun it trains in one process.
+
+With ``--cp N`` (FSDP2) each sequence is split over N ranks (context parallelism,
+``annot.ParallelDims(cp=N)``): the N ranks of a group read the same sequences, each
+computes on its part, and the loss is the whole sequences'; ``--nproc_per_node N --cp N``
+prints the losses of one process.
 
 With ``--resume DIR`` it continues from the newest complete training state in DIR (model,
 optimizer, step, RNG and the position in the data stream; any world size or engine), if
@@ -55,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=None,
                         help="checkpoint every block / none (default: as the Plan says)")
     parser.add_argument("--offload", action="store_true", help="FSDP2: parameters on CPU")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context parallel: split each sequence over N ranks (fsdp2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None,
                         help="cuda or cpu (default: this rank's GPU when there is one, else cpu)")
@@ -102,12 +109,14 @@ def main(argv: list[str] | None = None) -> list[float]:
         trainer = annot.auto_wrap(
             model, args.engine, checkpoint=args.checkpoint, device=device,
             optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-            **({"offload": True} if args.offload else {}))
+            **({"offload": True} if args.offload else {}),
+            **({"mesh": annot.ParallelDims(cp=args.cp)} if args.cp > 1 else {}))
 
         # Its position (sequences consumed by all ranks) is saved with the training state.
+        # The cp ranks of a group (consecutive ranks: cp is inside shard) read the same rows.
         data = annot.ResumableLoader(
             CountingSequences(args.block_size, args.vocab_size, args.seed + 1),
-            batch_size=args.batch_size)
+            batch_size=args.batch_size, rank=rank // args.cp, world_size=world // args.cp)
         first_step = 0
         if args.resume and annot.latest_state(args.resume) is not None:
             first_step = annot.load_state(args.resume, trainer, data=data).step

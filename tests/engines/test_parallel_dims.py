@@ -29,9 +29,9 @@ def world4():
 
 
 def test_sizes_resolve_against_the_world():
-    assert annot.ParallelDims(replicate=2).resolve(16).sizes == {"replicate": 2, "shard": 8, "tp": 1}
+    assert annot.ParallelDims(replicate=2).resolve(16).sizes == {"replicate": 2, "shard": 8, "cp": 1, "tp": 1}
     assert annot.ParallelDims(replicate=2, shard=2, tp=2).resolve(8).world == 8
-    assert annot.ParallelDims().resolve(1).sizes == {"replicate": 1, "shard": 1, "tp": 1}
+    assert annot.ParallelDims().resolve(1).sizes == {"replicate": 1, "shard": 1, "cp": 1, "tp": 1}
 
 
 @pytest.mark.parametrize(("dims", "world", "match"), [

@@ -1,0 +1,56 @@
+"""Run under torchrun by test_context_parallel.py: FSDP2 with a ``cp`` dimension.
+
+    python -m torch.distributed.run --nproc_per_node W context_parallel_worker.py OUT LAYOUT NAME...
+
+For each NAME (``gpt``, ``llama``): auto_wrap with ``ParallelDims(shard=S, cp=C)``
+(`tests.engines.context_parallel_cases.LAYOUTS`), train STEPS steps on this group's
+rows (the loop as without cp), record the loss every rank returns and every gradient
+(whole) at every step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import annot
+from tests.distributed import gathered, worker_main
+from tests.engines.context_parallel_cases import (
+    LAYOUTS,
+    batches,
+    build,
+    group_rows,
+    loss_fn,
+    make_optimizer,
+)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def train(layout: str, name: str) -> dict:
+    sizes = LAYOUTS[layout]
+    dims = annot.ParallelDims(shard=sizes["shard"], cp=sizes["cp"])
+    trainer = annot.auto_wrap(build(name), "fsdp2", mesh=dims, optimizer=make_optimizer,
+                              checkpoint=True)
+    group = dist.get_rank() // sizes["cp"]
+    losses, grads = [], []
+    for batch in batches(name, sizes["shard"]):
+        loss = loss_fn(name)(trainer, group_rows(batch, group))
+        trainer.backward(loss)
+        grads.append({n: full(p.grad) for n, p in trainer.model.named_parameters()})
+        trainer.step()
+        trainer.zero_grad()
+        # every rank's loss, as returned: the cp ranks of a group must agree
+        losses.append(gathered(loss.item()))
+    return {"losses": losses, "grads": grads}
+
+
+def run(layout: str, *names: str) -> dict:
+    return {name: train(layout, name) for name in names}
+
+
+if __name__ == "__main__":
+    worker_main(run)
