@@ -3,9 +3,10 @@
 Each rank holds a part of every sequence (`annot.runtime.context_parallel` chooses which
 tokens: two chunks, load-balanced for causal masks). Attention is the one operation
 that needs the other parts: every query attends to keys and values of the whole
-sequence. `SplitAttention` is a ``TorchFunctionMode`` that replaces each call of
-``torch.nn.functional.scaled_dot_product_attention`` inside the model's forward (and
-inside activation checkpointing's recomputation in backward) by `split_attention`:
+sequence. While `SplitAttention` is active, ``torch.nn.functional.
+scaled_dot_product_attention`` is `split_attention` (the attribute is replaced, as torch's
+own ``context_parallel`` does by default), in the model's forward and in activation
+checkpointing's recomputation during backward:
 
 - the keys and values of every rank are gathered along the sequence
   (`gather_sequence`, an autograd function: forward an all-gather, backward the sum of
@@ -22,6 +23,14 @@ queries only (``T/cp x T``). It runs on any backend, gloo included, with plain
 (flash, efficient, cuDNN) and has no CPU path, so it cannot run the CPU tests; this
 module keeps the interface the same (the model calls SDPA, nothing else changes).
 
+Why the attribute and not a ``TorchFunctionMode``: a mode is switched off inside its own
+handler, and ``Tensor.backward`` is a function it handles, so the whole backward (and
+the recomputation in it) ran without the mode: checkpointed blocks recomputed plain
+attention over the local chunks (torch's checkpoint caught it: 24 tensors saved in
+recomputation against 25 in forward). Code that bound the function before (``from
+torch.nn.functional import scaled_dot_product_attention`` at import) calls the original:
+the check on the first call refuses such a module by name.
+
 What cannot be split is refused, naming it: an ``attn_mask`` given to SDPA (padding or
 custom masks: annot builds the causal mask itself), keys of another length than the
 queries (cross attention, a KV cache), and a module called ``*Attention`` whose forward
@@ -36,7 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
+
+#: The function `SplitAttention` stands in for, as torch defines it.
+_SDPA = F.scaled_dot_product_attention
 
 __all__ = ["AttentionNotSplittableError", "SplitAttention", "check_attention_modules",
            "gather_sequence", "split_attention"]
@@ -100,29 +111,34 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     mask = None
     if is_causal:
         mask = query_places.to(query.device)[:, None] >= key_places.to(query.device)[None, :]
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p,
-                                          scale=scale, enable_gqa=enable_gqa)
+    return _SDPA(query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                 enable_gqa=enable_gqa)
 
 
-class SplitAttention(TorchFunctionMode):
-    """While active, each ``scaled_dot_product_attention`` call is `split_attention` over
-    ``group`` with these token places; every other function runs as called. ``calls``
-    counts the calls it replaced."""
+class SplitAttention:
+    """A context manager: while active, ``torch.nn.functional.scaled_dot_product_attention``
+    is `split_attention` over ``group`` with these token places (restored on exit, also
+    when nested). ``calls`` counts the calls it replaced."""
 
     def __init__(self, group: dist.ProcessGroup, query_places: torch.Tensor,
                  key_places: torch.Tensor) -> None:
-        super().__init__()
         self.group, self.query_places, self.key_places = group, query_places, key_places
         self.calls = 0
+        self._before: list[Any] = []
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            self.calls += 1
-            return split_attention(*args, **kwargs, group=self.group,
-                                   query_places=self.query_places, key_places=self.key_places)
-        return func(*args, **kwargs)
+    def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls += 1
+        return split_attention(query, key, value, *args, **kwargs, group=self.group,
+                               query_places=self.query_places, key_places=self.key_places)
+
+    def __enter__(self) -> SplitAttention:
+        self._before.append(F.scaled_dot_product_attention)
+        F.scaled_dot_product_attention = self._attention  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        F.scaled_dot_product_attention = self._before.pop()
 
 
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

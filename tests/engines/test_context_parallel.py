@@ -166,3 +166,41 @@ def test_cp_dims_describe_themselves():
     assert annot.ParallelDims(cp=2).resolve(2).sizes == {"replicate": 1, "shard": 1, "cp": 2, "tp": 1}
     assert "cp 2" in dims.describe() and "context parallel" in dims.meaning()
     assert annot.ParallelDims.from_dict(dims.to_dict()) == dims
+
+
+def test_split_attention_is_whole_causal_attention(monkeypatch):
+    # Both ranks of cp 2 in one process: the all-gather is the concatenation of the two
+    # ranks' keys (rank order), whose autograd sums each rank's part's gradients as the
+    # all-reduce and slice do. fp32; only the order of float additions differs.
+    from annot.runtime import split_attention as sa
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=gen, requires_grad=True) for _ in range(3))
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    places = [token_places(16, 2, r) for r in range(2)]
+    every = torch.cat(places)
+    parts = {"k": [k[:, :, p] for p in places], "v": [v[:, :, p] for p in places]}
+
+    def gather(x, group):  # noqa: ANN001, ANN202 (the collective stood in for)
+        name = "k" if any(x is t for t in parts["k"]) else "v"
+        return torch.cat(parts[name], dim=-2)
+
+    monkeypatch.setattr(sa, "gather_sequence", gather)
+    out = torch.zeros_like(whole)
+    for rank, p in enumerate(places):
+        out[:, :, p] = sa.split_attention(q[:, :, p], parts["k"][rank], parts["v"][rank],
+                                          is_causal=True, group=None, query_places=p,
+                                          key_places=every)
+    assert _far(out, whole) <= 1e-6
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(whole.square().sum(), (q, k, v))
+    assert max(_far(a, b) for a, b in zip(grads, expected, strict=True)) <= 1e-5
+
+
+def test_a_mask_given_to_attention_is_refused():
+    from annot.runtime.split_attention import split_attention
+
+    q = torch.zeros(1, 1, 8, 4)
+    with pytest.raises(AttentionNotSplittableError, match="got an attn_mask"):
+        split_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool), group=None,
+                        query_places=token_places(16, 2, 0), key_places=torch.arange(16))
