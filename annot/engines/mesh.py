@@ -120,11 +120,14 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
             f"mesh dimensions {names} are out of order: replicate must be outermost and tp "
             "innermost (torch's engines read (replicate, shard) by position); build it as "
             f"init_device_mesh(..., mesh_dim_names={tuple(n for n in DIM_NAMES if n in names)})")
+    hybrid = "replicate" in names and mesh["replicate"].size() > 1
     shard = SHARD_CP if SHARD_CP in names else "shard"
     if context_parallel_mesh(mesh) is not None:
-        mesh["shard", "cp"]._flatten(SHARD_CP)  # then reachable as mesh[SHARD_CP]
+        flat = mesh["shard", "cp"]._flatten(SHARD_CP)
+        if not hybrid:
+            return flat  # kept as torch returns it (slicing it back out of the root is deprecated)
         shard = SHARD_CP
-    if "replicate" in names and mesh["replicate"].size() > 1:
+    if hybrid:
         return mesh["replicate", shard]
     return mesh[shard]
 

@@ -134,7 +134,7 @@ class SplitAttention:
 
     def __enter__(self) -> SplitAttention:
         self._before.append(F.scaled_dot_product_attention)
-        F.scaled_dot_product_attention = self._attention  # type: ignore[assignment]
+        F.scaled_dot_product_attention = self._attention
         return self
 
     def __exit__(self, *exc: object) -> None:

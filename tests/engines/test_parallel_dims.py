@@ -165,3 +165,24 @@ def test_dims_without_a_process_group_get_annots_error(engine):
     assert not dist.is_initialized()
     with pytest.raises(annot.ProcessGroupNotInitializedError, match=f"engine '{engine}' needs torch.distributed"):
         annot.auto_wrap(gpt(), engine, mesh=annot.ParallelDims(replicate=2))
+
+
+def test_cp_is_flattened_with_shard_for_fsdp2(world4):
+    from annot.engines.mesh import context_parallel_mesh
+
+    mesh = build_mesh(annot.ParallelDims(shard=2, cp=2), "cpu")
+    assert mesh.mesh_dim_names == ("replicate", "shard", "cp", "tp")
+    flat = data_parallel_mesh(mesh)
+    assert (flat.mesh_dim_names, flat.size()) == (("shard_cp",), 4)
+    assert context_parallel_mesh(mesh).size() == 2
+    hybrid = data_parallel_mesh(build_mesh(annot.ParallelDims(replicate=2, cp=2), "cpu"))
+    assert (hybrid.mesh_dim_names, tuple(hybrid.mesh.shape)) == (("replicate", "shard_cp"), (2, 2))
+    model = annot.auto_wrap(gpt(), "fsdp2", mesh=annot.ParallelDims(shard=2, cp=2),
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert model.module.lm_head.weight.device_mesh.mesh_dim_names == ("shard_cp",)
+    assert model.context_parallel is not None and model.context_parallel.size == 2
+
+
+def test_cp_without_an_optimizer_is_refused(world4):
+    with pytest.raises(ValueError, match="context parallelism .* needs optimizer="):
+        annot.auto_wrap(gpt(), "fsdp2", mesh=annot.ParallelDims(shard=2, cp=2))
