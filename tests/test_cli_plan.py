@@ -273,3 +273,9 @@ def test_plan_memory_on_two_nodes_prints_traffic_and_step_time(capsys):
     assert "1 GB/s per node across nodes, 100 TFLOP/s per GPU" in out
     assert "across nodes" in out and "FSDP2 HSDP (2 x 4)" in out and "TP 4 x FSDP2 2" in out
     assert "the inter-node link binds" in out
+
+
+def test_memory_cp_sizes_that_are_not_integers_are_refused(capsys):
+    code, _, err = run(capsys, "plan", GPT, "--memory", "--cp", "2,x")
+    assert code == 2
+    assert "--cp '2,x': give sizes as integers" in err

@@ -105,6 +105,9 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     memory.add_argument("--tflops", type=float, default=None,
                         help="sustained TFLOP/s per GPU for the step time (default: 150, an A100 "
                              "at about half its bf16 peak)")
+    memory.add_argument("--cp", metavar="SIZES", default="",
+                        help="context-parallel sizes to weigh, comma-separated (e.g. 2,4,8): "
+                             "rows FSDP2 + CP c, each sequence split over c GPUs of a node")
     p.add_argument("--full", action="store_true",
                    help="one table row per unit (default: runs of identical blocks share a row)")
 
@@ -221,8 +224,9 @@ def _run_plan(args: argparse.Namespace) -> int:
             reserve=RESERVE if reserve is None else reserve,
             intra_node_bw=given(args.intra_node_bw, INTRA_NODE_BW),
             inter_node_bw=given(args.inter_node_bw, INTER_NODE_BW), tflops=given(args.tflops, TFLOPS),
+            cp=_cp_sizes(args.cp),
         )
-    except AnnotError as exc:
+    except (AnnotError, ValueError) as exc:
         print(f"annot plan: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # the model's own forward failed under fake tensors
@@ -285,3 +289,11 @@ def _size(text: str | None, option: str) -> int | None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def _cp_sizes(text: str) -> tuple[int, ...]:
+    """``--cp 2,4,8`` as sizes (a `ValueError` naming the option for anything else)."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--cp {text!r}: give sizes as integers, comma-separated (e.g. 2,4,8)") from None
