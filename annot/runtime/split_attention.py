@@ -64,8 +64,9 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group, ctx.length = group, x.shape[-2]
         ctx.rank = dist.get_rank(group)
+        x = x.contiguous()  # k and v arrive transposed; collectives take dense tensors
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        dist.all_gather(parts, x, group=group)
         return torch.cat(parts, dim=-2)
 
     @staticmethod
