@@ -71,11 +71,16 @@ def test_cp_ranks_return_the_same_loss(cp2):
         assert all(len(set(ranks)) == 1 for ranks in cp2[name]["losses"]), cp2[name]["losses"]
 
 
+@pytest.fixture(scope="module")
+def shard2xcp2(tmp_path_factory) -> dict:
+    return _launch("shard2xcp2", tmp_path_factory.mktemp("shard2xcp2"))
+
+
 @pytest.mark.distributed
 @pytest.mark.sweep
 @pytest.mark.parametrize("name", MODELS)
-def test_shard2_x_cp2_trains_like_one_process(tmp_path, name):
-    _check_against_one_process(_launch("shard2xcp2", tmp_path), name, groups=2)
+def test_shard2_x_cp2_trains_like_one_process(shard2xcp2, name):
+    _check_against_one_process(shard2xcp2, name, groups=2)
 
 
 TRAIN = ROOT / "examples" / "gpt" / "train.py"
