@@ -1,6 +1,10 @@
 """Context parallelism (a ``cp`` mesh dimension, FSDP2) on CPU ranks against one
 process on the whole sequences (`tests.engines.context_parallel_cases`), the example's
 ``--cp``, a save with cp 2 resumed with cp 1, and the refusals (no launch).
+
+Default lane: cp 2 on 2 ranks (one launch, about 26 s on the shared 2-core machine).
+Sweep lane (``-m sweep``): shard 2 x cp 2 on 4 ranks (about 40 s) and the example's runs
+(a 2-rank launch and two single processes, about 30 s).
 """
 
 from __future__ import annotations
@@ -104,7 +108,7 @@ def example_runs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_example_with_cp2_prints_the_losses_of_one_process(example_runs):
     cp2, one = printed_losses(example_runs["cp2"]), printed_losses(example_runs["one"])
     assert sorted(cp2) == sorted(one) == [0, 1, 2]
@@ -112,7 +116,7 @@ def test_example_with_cp2_prints_the_losses_of_one_process(example_runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_a_cp2_state_resumes_with_cp1(example_runs):
     resumed = printed_losses(example_runs["resumed"])
     assert "at step 2, sequence 4 of the data" in example_runs["resumed"]
