@@ -1,0 +1,481 @@
+"""`fit_budget`: the strategy and, per block, the activation choice
+(`annot.memory.choices`) that train fastest within a memory budget per GPU.
+
+For each strategy annot builds (the outer loop), the per-rank memory that does not
+depend on the choices comes from `annot.memory.engine_memory` (model states, engine
+buffers, gathered parameters), and the activations from two traces of the step: one
+forward that profiles each block (`profile_blocks`) and the plain training step
+(`trace_step`), whose per-block backward peaks give what backward adds while each block
+runs. `annot.memory.solver` then picks the choices exactly (dynamic programming over the
+blocks) so that the peak at the end of forward and at every block of backward fits, at
+the least added time. The strategy with the shortest predicted step wins (ties: the
+order of `annot.memory.strategies.STRATEGIES`, simplest first).
+
+The answer is then traced as it will run (its Plan's checkpointing, selective contexts
+and offload under ``FakeTensorMode``), and ``peak_bytes`` is that traced figure; where
+it exceeds what the per-block model said, the choice is made again with the
+difference taken off the budget. A larger budget never gives a slower predicted step
+(the solver's feasible set only grows; tested).
+
+``peak_bytes`` is the counted per-GPU peak (what `annot.memory.counting.LiveBytes` counts
+in a real run); the budget must hold it times ``1 + margin`` plus ``reserve`` (the
+allowances of `annot.memory.report`). Predicted step time: the strategy's step
+(`annot.memory.report.step_time`, collectives overlapping compute) plus what the choices
+add (`choice_seconds`), not assumed to hide behind collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from annot.memory.activations import InputsFn, StepTrace, trace_step
+from annot.memory.choices import (
+    CHOICES,
+    OFFLOAD_CHOICES,
+    BlockProfile,
+    Device,
+    choice_seconds,
+    device,
+    held,
+    profile_blocks,
+)
+from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, Network, param_records
+from annot.memory.engine_memory import RankMemory, model_facts
+from annot.memory.report import MARGIN, RESERVE, _trace_setting, step_time, strategy_memory
+from annot.memory.solver import solve
+from annot.memory.strategies import PRECISIONS, STRATEGIES, MemoryInputError, Strategy, strategy
+from annot.policies import Action, Plan, Policy, Rule, make_plan
+from annot.policies.plan import format_bytes
+from annot.runtime.activation_checkpoint import torch_checkpoint
+from annot.runtime.autograd_state import under_outer_checkpoint
+from annot.runtime.selective_checkpoint import apply_plan_checkpointing
+
+__all__ = ["BudgetAnswer", "BudgetError", "StrategyFit", "budget_solver", "fit_budget"]
+
+#: Which choices each engine runs (`annot.engines`): FSDP1 offloads no activations,
+#: DeepSpeed's checkpoint is reentrant (no selective contexts) and offloads its own way.
+ENGINE_CHOICES: dict[str, frozenset[str]] = {
+    "ddp": frozenset(CHOICES), "fsdp2": frozenset(CHOICES),
+    "fsdp1": frozenset({"none", "selective", "checkpoint"}),
+    "deepspeed": frozenset({"none", "checkpoint"}),
+}
+#: How often the answer is traced again with a tighter budget before the strategy is
+#: given up (`BudgetSolver.fit`).
+RETRACES = 3
+
+
+class BudgetError(MemoryInputError):
+    """Nothing fits the budget; ``smallest`` is the least budget that would (bytes), with
+    the strategy that needs it."""
+
+    def __init__(self, message: str, smallest: int | None, strategy: str | None) -> None:
+        super().__init__(message)
+        self.smallest = smallest
+        self.strategy = strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyFit:
+    """One strategy under the budget: whether it fits, its traced peak and predicted
+    step (``None`` when it does not fit), and the per-GPU terms at its peak (for
+    `annot.memory.plot`): model states and buffers by name plus ``"activations"``."""
+
+    key: str
+    label: str
+    fits: bool
+    peak_bytes: int | None
+    step_time_s: float | None
+    parts: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetAnswer:
+    """The fastest plan within ``budget_bytes`` per GPU: build it with
+    ``annot.auto_wrap(model, answer.engine, answer.plan, **answer.options)`` (``call``)."""
+
+    budget_bytes: int
+    strategy: str
+    label: str
+    engine: str
+    options: dict[str, Any]
+    plan: Plan
+    blocks: dict[str, str]
+    peak_bytes: int
+    step_time_s: float
+    #: Predicted step of the same strategy with every block fully checkpointed
+    #: (``None`` where that does not fit either).
+    checkpoint_all_step_s: float | None
+    call: str
+    margin: float
+    reserve: int
+    device: str
+    strategies: tuple[StrategyFit, ...] = ()
+
+    @property
+    def recomputed(self) -> int:
+        """Blocks recomputed in backward (selective, checkpoint, checkpoint_offload)."""
+        return sum(c in ("selective", "checkpoint", "checkpoint_offload") for c in self.blocks.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["plan"] = self.plan.to_dict()
+        out["strategies"] = [dataclasses.asdict(s) for s in self.strategies]
+        out["recomputed"] = self.recomputed
+        return out
+
+    def table(self) -> str:
+        counts = {c: sum(v == c for v in self.blocks.values()) for c in CHOICES}
+        lines = [
+            f"budget {format_bytes(self.budget_bytes)} per GPU (counted peak x {1 + self.margin:g} "
+            f"+ {format_bytes(self.reserve)} must fit): {self.label}, peak {format_bytes(self.peak_bytes)} "
+            f"counted, step {self.step_time_s * 1e3:.1f} ms predicted on {self.device}",
+            "blocks: " + ", ".join(f"{n} {c}" for c, n in counts.items() if n),
+        ]
+        if self.checkpoint_all_step_s is not None:
+            lines.append(f"checkpointing every block instead: step {self.checkpoint_all_step_s * 1e3:.1f} ms")
+        for path, choice in self.blocks.items():
+            lines.append(f"  {path}: {choice}")
+        lines.append(f"  {self.call}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def fit_budget(model: nn.Module, budget: int, *, gpus: int, nodes: int = 1, batch: int,
+               seq: int, precision: str = "bf16-mixed", **options: Any) -> BudgetAnswer:
+    """The fastest strategy and per-block activation choices of ``model`` (build it on the
+    meta device) whose per-GPU peak fits ``budget`` bytes (`BudgetError`, with the least
+    budget that would, otherwise). ``gpus`` per node, ``batch`` the micro-batch per GPU.
+    ``options``: those of `budget_solver` (``plan``, ``optimizer``, ``device``,
+    ``tflops``, ``hbm_bw``, ``host_bw``, ``margin``, ``reserve``, ``strategies``,
+    ``choices``, ``inputs``)."""
+    return budget_solver(model, gpus=gpus, nodes=nodes, batch=batch, seq=seq, precision=precision,
+                         **options).fit(budget)
+
+
+def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, seq: int,
+                  precision: str = "bf16-mixed", plan: Plan | Policy | Rule | None = None,
+                  optimizer: str = "adamw", device: str = "H100", tflops: float | None = None,
+                  hbm_bw: float | None = None, host_bw: float | None = None,
+                  intra_node_bw: float = INTRA_NODE_BW, inter_node_bw: float = INTER_NODE_BW,
+                  margin: float = MARGIN, reserve: int = RESERVE,
+                  strategies: Sequence[str] | None = None, choices: Sequence[str] = CHOICES,
+                  inputs: InputsFn | None = None) -> BudgetSolver:
+    """A `BudgetSolver` for ``model``: the traces are made once, each `BudgetSolver.fit`
+    solves one budget. ``device`` names the cost model's figures
+    (`annot.memory.choices.DEVICES`), each overridable (TFLOP/s, GB/s); ``strategies``
+    the strategy keys weighed (default: every one-dimensional strategy), ``choices`` the
+    block choices allowed."""
+    if precision not in PRECISIONS:
+        raise MemoryInputError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+    unknown = [c for c in choices if c not in CHOICES]
+    if unknown or not choices:
+        raise MemoryInputError(f"unknown block choice(s) {unknown or choices!r}; choose from {', '.join(CHOICES)}")
+    if batch < 1 or seq < 1 or gpus < 1 or nodes < 1:
+        raise MemoryInputError("batch, seq, gpus and nodes must be at least 1")
+    if not isinstance(plan, Plan):
+        plan = make_plan(model, plan)
+    dev = device if isinstance(device, Device) else _device(device, tflops, hbm_bw, host_bw)
+    chosen = [strategy(k) for k in strategies] if strategies is not None else list(STRATEGIES)
+    network = Network(gpus_per_node=gpus, nodes=nodes, intra_node_bw=intra_node_bw * 1e9,
+                      inter_node_bw=inter_node_bw * 1e9, flops=dev.tflops * 1e12)
+    return BudgetSolver(model=model, plan=plan, strategies=tuple(chosen), network=network, dev=dev,
+                        batch=batch, seq=seq, precision=precision, optimizer=optimizer,
+                        margin=margin, reserve=reserve, choices=tuple(choices), inputs=inputs)
+
+
+def _device(name: str, tflops: float | None, hbm_bw: float | None, host_bw: float | None) -> Device:
+    return device(name, tflops=tflops, hbm_bw=hbm_bw, host_bw=host_bw)
+
+
+def block_paths(plan: Plan) -> list[str]:
+    """The blocks choices are made for: the Plan's checkpointed units, else its shard
+    units; units of one module each (a tied group is left as the Plan has it)."""
+    units = [u for u in plan.units if u.has(Action.CHECKPOINT)] or [u for u in plan.units if u.has(Action.SHARD)]
+    return [u.path for u in units if not u.group and u.path]
+
+
+@dataclasses.dataclass
+class _Setting:
+    """What one trace setting (parameter dtype, autocast) gives every strategy using it."""
+
+    blocks: list[BlockProfile]
+    trace: StepTrace
+    #: Per block: what backward adds while it runs beyond the bytes blocks hold
+    #: (`_activation_model`), and the end of forward's.
+    extra: list[float]
+    head: float
+
+
+@dataclasses.dataclass
+class BudgetSolver:
+    """The traces of one model and setup; `fit` answers one budget (see the module
+    docstring). Build it with `budget_solver`."""
+
+    model: nn.Module
+    plan: Plan
+    strategies: tuple[Strategy, ...]
+    network: Network
+    dev: Device
+    batch: int
+    seq: int
+    precision: str
+    optimizer: str
+    margin: float
+    reserve: int
+    choices: tuple[str, ...]
+    inputs: InputsFn | None = None
+
+    def __post_init__(self) -> None:
+        self.paths = block_paths(self.plan)
+        if not self.paths:
+            raise MemoryInputError(
+                f"the Plan of {self.plan.model} has no block to choose for (no checkpointed or "
+                "sharded unit): pass plan= (a policy selecting the repeated blocks)")
+        self.facts = model_facts(self.model, self.plan)
+        self.records = param_records(self.model, self.plan)
+        self._settings: dict[tuple[Any, ...], _Setting] = {}
+
+    # -- traces --------------------------------------------------------------------------
+    def setting(self, s: Strategy) -> _Setting:
+        dtype, autocast = _trace_setting(s, self.precision)
+        key = (dtype, autocast)
+        if key not in self._settings:
+            blocks, _ = profile_blocks(self.model, self.paths, batch=self.batch, seq=self.seq,
+                                       dtype=dtype, autocast=autocast, inputs=self.inputs)
+            trace = trace_step(self.model, self.plan, batch=self.batch, seq=self.seq, checkpoint=False,
+                               dtype=dtype, autocast=autocast, inputs=self.inputs)
+            extra, head = _activation_model(blocks, trace, self.plan)
+            self._settings[key] = _Setting(blocks, trace, extra, head)
+        return self._settings[key]
+
+    def _memory(self, s: Strategy, trace: StepTrace) -> RankMemory:
+        return strategy_memory(s, trace, self.facts, self.plan, world=self.network.world,
+                               precision=self.precision, optimizer=self.optimizer, records=self.records)
+
+    def _fixed(self, s: Strategy) -> tuple[int, int]:
+        """(the peak with no activations at all, what the engine holds beside the
+        activations at worst during forward and backward)."""
+        trace = self.setting(s).trace
+        big = 1 << 50
+
+        def flat(value: int) -> StepTrace:
+            return dataclasses.replace(trace, peak=value, peak_with_grads=value + trace.grads,
+                                       segments=tuple((ph, u, value, value) for ph, u, _, _ in trace.segments))
+        return self._memory(s, flat(0)).device, self._memory(s, flat(big)).device - big
+
+    def _allowed(self, s: Strategy) -> list[str]:
+        allowed = [c for c in self.choices if c in ENGINE_CHOICES[s.engine]]
+        if self.dev.host_bw <= 0:
+            allowed = [c for c in allowed if c not in OFFLOAD_CHOICES]
+        return allowed
+
+    # -- solving -------------------------------------------------------------------------
+    def _solve(self, s: Strategy, activation_limit: float) -> tuple[float, list[str]] | None:
+        st = self.setting(s)
+        allowed = self._allowed(s)
+        held_ = [[float(held(b, c)) for c in allowed] for b in st.blocks]
+        cost = [[choice_seconds(b, c, self.dev) for c in allowed] for b in st.blocks]
+        limits = [activation_limit - b.keep - e for b, e in zip(st.blocks, st.extra, strict=True)]
+        found = solve(held_, cost, limits, activation_limit - st.head)
+        if found is None:
+            return None
+        return found[0], [allowed[i] for i in found[1]]
+
+    def _activation_limit(self, s: Strategy, budget: int) -> float | None:
+        """Bytes of activations the budget leaves ``s`` (``None``: its states alone do
+        not fit)."""
+        bare, beside = self._fixed(s)
+        counted = (budget - self.reserve) / (1 + self.margin)
+        if bare > counted:
+            return None
+        return counted - beside
+
+    def plan_for(self, blocks: dict[str, str]) -> Plan:
+        """The Plan with ``blocks``' choices (`annot.policies.plan.Unit` fields); offload
+        marks are dropped (the strategy's options say what is offloaded)."""
+        units = []
+        for u in self.plan.units:
+            actions = tuple(a for a in u.actions if a not in (Action.CHECKPOINT, Action.OFFLOAD))
+            choice = blocks.get(u.path)
+            if choice is None:
+                units.append(dataclasses.replace(u, actions=actions))
+                continue
+            if choice in ("selective", "checkpoint", "checkpoint_offload"):
+                actions = (*actions, Action.CHECKPOINT)
+            units.append(dataclasses.replace(
+                u, actions=actions, offload_to=None,
+                checkpoint_policy="save_matmuls" if choice == "selective" else None,
+                offload_activations=choice in OFFLOAD_CHOICES,
+                reason=f"{u.reason}; budget: {choice}"))
+        return dataclasses.replace(self.plan, units=tuple(units), policy=f"{self.plan.policy} + budget")
+
+    def trace_plan(self, s: Strategy, plan: Plan) -> StepTrace:
+        """The training step of ``plan`` traced as it runs (`trace_step`), activation
+        offload as memory leaving the device."""
+        dtype, autocast = _trace_setting(s, self.precision)
+        checkpointed = plan.paths(Action.CHECKPOINT)
+        offloaded = [u.path for u in plan.units if u.offload_activations]
+
+        def prepare(copy: nn.Module) -> None:
+            apply_plan_checkpointing(copy, plan, checkpointed, torch_checkpoint)
+            for path in offloaded:
+                _traced_offload(copy.get_submodule(path))
+
+        return trace_step(self.model, plan, batch=self.batch, seq=self.seq, checkpoint=bool(checkpointed),
+                          dtype=dtype, autocast=autocast, inputs=self.inputs, prepare=prepare)
+
+    def _answer_for(self, s: Strategy, budget: int) -> tuple[float, dict[str, str], int, RankMemory] | None:
+        """(step seconds, choices, traced peak, memory) of ``s`` within ``budget``."""
+        limit = self._activation_limit(s, budget)
+        if limit is None:
+            return None
+        base = step_time(s, self.setting(s).trace, self.plan, self.model, self.records, self.network,
+                         precision=self.precision, optimizer=self.optimizer).overlapped
+        counted = (budget - self.reserve) / (1 + self.margin)
+        for _ in range(RETRACES):
+            found = self._solve(s, limit)
+            if found is None:
+                return None
+            added, picks = found
+            blocks = dict(zip(self.paths, picks, strict=True))
+            memory = self._memory(s, self.trace_plan(s, self.plan_for(blocks)))
+            if memory.device <= counted:
+                return base + added, blocks, memory.device, memory
+            limit -= memory.device - counted  # the per-block model was short by this much
+        return None
+
+    def fit(self, budget: int) -> BudgetAnswer:
+        """The fastest answer within ``budget`` bytes per GPU (`BudgetError` if none)."""
+        if budget <= 0:
+            raise MemoryInputError(f"the budget must be a positive number of bytes, got {budget}")
+        best: tuple[float, int, Strategy, dict[str, str], int] | None = None
+        fits: list[StrategyFit] = []
+        for order, s in enumerate(self.strategies):
+            found = self._answer_for(s, budget)
+            if found is None:
+                fits.append(StrategyFit(s.key, s.label, False, None, None, self._parts_without(s)))
+                continue
+            step, blocks, peak, memory = found
+            fits.append(StrategyFit(s.key, s.label, True, peak, step, _parts(memory)))
+            if best is None or step < best[0] * (1 - 1e-9):
+                best = (step, order, s, blocks, peak)
+        if best is None:
+            smallest, key = self.smallest_budget()
+            raise BudgetError(
+                f"nothing fits {format_bytes(budget)} per GPU: the smallest budget that would is "
+                f"{format_bytes(smallest)} ({strategy(key).label}, every block at its least memory)"
+                if smallest is not None else
+                f"nothing fits {format_bytes(budget)} per GPU, at any budget tried", smallest, key)
+        step, _, s, blocks, peak = best
+        plan = self.plan_for(blocks)
+        options = s.engine_options(self.precision)
+        return BudgetAnswer(
+            budget_bytes=budget, strategy=s.key, label=s.label, engine=s.engine, options=options,
+            plan=plan, blocks=blocks, peak_bytes=peak, step_time_s=step,
+            checkpoint_all_step_s=self._checkpoint_all(s, budget), call=_call(s, self.precision),
+            margin=self.margin, reserve=self.reserve, device=self.dev.name, strategies=tuple(fits))
+
+    def _checkpoint_all(self, s: Strategy, budget: int) -> float | None:
+        """The predicted step of ``s`` with every block fully checkpointed, if it fits."""
+        st = self.setting(s)
+        blocks = dict.fromkeys(self.paths, "checkpoint")
+        memory = self._memory(s, self.trace_plan(s, self.plan_for(blocks)))
+        if memory.device > (budget - self.reserve) / (1 + self.margin):
+            return None
+        base = step_time(s, st.trace, self.plan, self.model, self.records, self.network,
+                         precision=self.precision, optimizer=self.optimizer).overlapped
+        return base + sum(choice_seconds(b, "checkpoint", self.dev) for b in st.blocks)
+
+    def _parts_without(self, s: Strategy) -> dict[str, int]:
+        """The terms of ``s`` with every block at its least memory (for the picture)."""
+        least = {p: min(self._allowed(s), key=lambda c, b=b: held(b, c))
+                 for p, b in zip(self.paths, self.setting(s).blocks, strict=True)}
+        return _parts(self._memory(s, self.trace_plan(s, self.plan_for(least))))
+
+    def smallest_budget(self) -> tuple[int | None, str | None]:
+        """The least budget some strategy fits (bytes, by the per-block model) and that
+        strategy's key."""
+        best: tuple[int, str] | None = None
+        for s in self.strategies:
+            bare, beside = self._fixed(s)
+            lo, hi = 0.0, float(1 << 50)
+            if self._solve(s, hi) is None:
+                continue
+            while hi - lo > max(1.0, hi * 1e-6):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if self._solve(s, mid) is not None else (mid, hi)
+            counted = max(bare, beside + hi)
+            need = int(counted * (1 + self.margin) + self.reserve) + 1
+            if best is None or need < best[0]:
+                best = (need, s.key)
+        return best if best is not None else (None, None)
+
+
+def _parts(memory: RankMemory) -> dict[str, int]:
+    return {k: v for k, v in memory.parts.items() if not k.startswith("host: ")}
+
+
+def _call(s: Strategy, precision: str) -> str:
+    """The ``auto_wrap`` call of ``s`` taking the answer's Plan (``plan``)."""
+    return s.call(precision).replace(f'annot.auto_wrap(model, "{s.engine}"',
+                                     f'annot.auto_wrap(model, "{s.engine}", plan', 1)
+
+
+def _activation_model(blocks: list[BlockProfile], trace: StepTrace, plan: Plan) -> tuple[list[float], float]:
+    """From the plain step's trace: per block, the live activation bytes while backward
+    runs it beyond the bytes held by blocks up to it (the transients of backward, and
+    what outside every block is still alive), and at the end of forward beyond every
+    block's held bytes. With every block at ``none`` the model gives the trace's peaks."""
+    shard = {p: i for i, u in enumerate(u for u in plan.units if u.has(Action.SHARD)) for p in u.modules}
+    indices = {shard.get(b.path, -2) for b in blocks}
+    total = sum(b.keep for b in blocks)
+    outside = [top for _, u, top, _ in trace.segments if u not in indices] or [trace.peak]
+    head = max(outside) - total
+    everywhere = max(top for _, _, top, _ in trace.segments) if trace.segments else trace.peak
+    extra, before = [], 0
+    for b in blocks:
+        before += b.keep
+        tops = [top for _, u, top, _ in trace.segments if u == shard.get(b.path, -2)]
+        extra.append((max(tops) if tops else everywhere) - before)
+    return extra, head
+
+
+def _traced_offload(module: nn.Module) -> None:
+    """Activation offload as the trace sees it: what the module's forward saves leaves
+    the device (kept as a shape, no storage) and is allocated again when backward reads
+    it; pushed under the same conditions as `annot.runtime.activation_offload`'s hooks."""
+    stack: list[Any] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        if type(t) is not torch.Tensor or t.layout != torch.strided or isinstance(t._base, nn.Parameter):
+            return t
+        return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        shape, stride, dtype, where = packed
+        return torch.empty_strided(shape, stride, dtype=dtype, device=where)
+
+    def enter(mod: nn.Module, args: Any) -> None:
+        hooks = None
+        if torch.is_grad_enabled() and not under_outer_checkpoint():
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+            hooks.__enter__()
+        stack.append(hooks)
+
+    def leave(mod: nn.Module, args: Any, output: Any) -> None:
+        hooks = stack.pop() if stack else None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+
