@@ -36,6 +36,7 @@ from torch import nn
 from annot.memory.activations import InputsFn, StepTrace, trace_step
 from annot.memory.choices import (
     CHOICES,
+    GB,
     OFFLOAD_CHOICES,
     BlockProfile,
     Device,
@@ -45,7 +46,7 @@ from annot.memory.choices import (
     profile_blocks,
 )
 from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, Network, param_records
-from annot.memory.engine_memory import RankMemory, model_facts
+from annot.memory.engine_memory import RankMemory, _bytes, model_facts
 from annot.memory.report import MARGIN, RESERVE, _trace_setting, step_time, strategy_memory
 from annot.memory.solver import solve
 from annot.memory.strategies import PRECISIONS, STRATEGIES, MemoryInputError, Strategy, strategy
@@ -81,9 +82,11 @@ class BudgetError(MemoryInputError):
 
 @dataclasses.dataclass(frozen=True)
 class StrategyFit:
-    """One strategy under the budget: whether it fits, its traced peak and predicted
-    step (``None`` when it does not fit), and the per-GPU terms at its peak (for
-    `annot.memory.plot`): model states and buffers by name plus ``"activations"``."""
+    """One strategy under the budget: whether it fits, its per-GPU peak (traced for the
+    strategies `BudgetSolver.fit` traced, else the per-block model's; where it does not
+    fit, with every block at its least memory), its predicted step (``None`` when it
+    does not fit), and the terms at its peak (for `annot.memory.plot`): model states and
+    buffers by name plus ``"activations"``."""
 
     key: str
     label: str
@@ -171,7 +174,8 @@ def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, se
     solves one budget. ``device`` names the cost model's figures
     (`annot.memory.choices.DEVICES`), each overridable (TFLOP/s, GB/s); ``strategies``
     the strategy keys weighed (default: every one-dimensional strategy), ``choices`` the
-    block choices allowed."""
+    block choices allowed. NVMe strategies are weighed only when named (their speed is
+    the drives'); on a device without a host link (``cpu``) no offload is."""
     if precision not in PRECISIONS:
         raise MemoryInputError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     unknown = [c for c in choices if c not in CHOICES]
@@ -182,7 +186,14 @@ def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, se
     if not isinstance(plan, Plan):
         plan = make_plan(model, plan)
     dev = device if isinstance(device, Device) else _device(device, tflops, hbm_bw, host_bw)
-    chosen = [strategy(k) for k in strategies] if strategies is not None else list(STRATEGIES)
+    if strategies is not None:
+        chosen = [strategy(k) for k in strategies]
+    else:  # NVMe's speed is the drives'; without a host link nothing is offloaded
+        chosen = [s for s in STRATEGIES if s.option("offload") != "nvme"
+                  and (dev.host_bw > 0 or (s.offload_optimizer is None and not s.offload_params))]
+    if dev.host_bw <= 0 and any(s.offload_optimizer is not None or s.offload_params for s in chosen):
+        raise MemoryInputError(f"device {dev.name!r} has no host link (host_bw=0): leave the "
+                               "strategies that offload to the host out, or give host_bw=")
     network = Network(gpus_per_node=gpus, nodes=nodes, intra_node_bw=intra_node_bw * 1e9,
                       inter_node_bw=inter_node_bw * 1e9, flops=dev.tflops * 1e12)
     return BudgetSolver(model=model, plan=plan, strategies=tuple(chosen), network=network, dev=dev,
@@ -241,6 +252,7 @@ class BudgetSolver:
         self.facts = model_facts(self.model, self.plan)
         self.records = param_records(self.model, self.plan)
         self._settings: dict[tuple[Any, ...], _Setting] = {}
+        self._traces: dict[tuple[Any, ...], StepTrace] = {}
 
     # -- traces --------------------------------------------------------------------------
     def setting(self, s: Strategy) -> _Setting:
@@ -262,13 +274,8 @@ class BudgetSolver:
     def _fixed(self, s: Strategy) -> tuple[int, int]:
         """(the peak with no activations at all, what the engine holds beside the
         activations at worst during forward and backward)."""
-        trace = self.setting(s).trace
         big = 1 << 50
-
-        def flat(value: int) -> StepTrace:
-            return dataclasses.replace(trace, peak=value, peak_with_grads=value + trace.grads,
-                                       segments=tuple((ph, u, value, value) for ph, u, _, _ in trace.segments))
-        return self._memory(s, flat(0)).device, self._memory(s, flat(big)).device - big
+        return self._flat_memory(s, 0).device, self._flat_memory(s, big).device - big
 
     def _allowed(self, s: Strategy) -> list[str]:
         allowed = [c for c in self.choices if c in ENGINE_CHOICES[s.engine]]
@@ -331,13 +338,49 @@ class BudgetSolver:
         return trace_step(self.model, plan, batch=self.batch, seq=self.seq, checkpoint=bool(checkpointed),
                           dtype=dtype, autocast=autocast, inputs=self.inputs, prepare=prepare)
 
-    def _answer_for(self, s: Strategy, budget: int) -> tuple[float, dict[str, str], int, RankMemory] | None:
-        """(step seconds, choices, traced peak, memory) of ``s`` within ``budget``."""
-        limit = self._activation_limit(s, budget)
-        if limit is None:
-            return None
-        base = step_time(s, self.setting(s).trace, self.plan, self.model, self.records, self.network,
-                         precision=self.precision, optimizer=self.optimizer).overlapped
+    def _base_step(self, s: Strategy) -> float:
+        """The predicted step of ``s`` with no block recomputed or offloaded: compute and
+        collectives overlapped (`step_time`), plus its host transfers (`_host_seconds`)."""
+        return step_time(s, self.setting(s).trace, self.plan, self.model, self.records, self.network,
+                         precision=self.precision, optimizer=self.optimizer).overlapped + self._host_seconds(s)
+
+    def _host_seconds(self, s: Strategy) -> float:
+        """Seconds a strategy that keeps states on the host moves them over the host link
+        each step, not overlapped: with parameters on the host, this rank's parameter
+        shard comes to the device for each gather (forward, and backward when
+        resharded) and its gradient shard goes back; with the optimizer alone there, the
+        gradient shard goes and the updated parameter shard comes back. The host
+        optimizer's own compute is not priced."""
+        if s.offload_optimizer is None and not s.offload_params:
+            return 0.0
+        b = _bytes(self.precision, s.engine, self.optimizer)
+        shard = -(-self.facts.params // self.network.world)
+        if s.offload_params:
+            moved = shard * b["param"] * (2 if s.stage == 3 else 1) + shard * b["reduce"]
+        else:
+            moved = shard * (b["grad"] + b["compute"])
+        return moved / (self.dev.host_bw * GB)
+
+    def _model_peak(self, s: Strategy, blocks: dict[str, str]) -> int:
+        """The per-block model's activation peak of ``blocks`` (`_activation_model`)."""
+        st = self.setting(s)
+        held_before, peak = 0.0, 0.0
+        for b, extra in zip(st.blocks, st.extra, strict=True):
+            peak = max(peak, held_before + b.keep + extra)
+            held_before += held(b, blocks[b.path])
+        return int(max(peak, held_before + st.head))
+
+    def _flat_memory(self, s: Strategy, activations: int) -> RankMemory:
+        trace = self.setting(s).trace
+        return self._memory(s, dataclasses.replace(
+            trace, peak=activations, peak_with_grads=activations + trace.grads,
+            segments=tuple((ph, u, activations, activations) for ph, u, _, _ in trace.segments)))
+
+    def _verified(self, s: Strategy, budget: int, limit: float,
+                  ) -> tuple[float, dict[str, str], RankMemory] | None:
+        """(added seconds, choices, traced memory) of ``s``: solved, traced as it runs,
+        solved again with the model's shortfall taken off the limit while the trace
+        exceeds the budget (at most `RETRACES` times)."""
         counted = (budget - self.reserve) / (1 + self.margin)
         for _ in range(RETRACES):
             found = self._solve(s, limit)
@@ -345,59 +388,77 @@ class BudgetSolver:
                 return None
             added, picks = found
             blocks = dict(zip(self.paths, picks, strict=True))
-            memory = self._memory(s, self.trace_plan(s, self.plan_for(blocks)))
+            memory = self._memory(s, self._traced(s, blocks))
             if memory.device <= counted:
-                return base + added, blocks, memory.device, memory
+                return added, blocks, memory
             limit -= memory.device - counted  # the per-block model was short by this much
         return None
 
+    def _traced(self, s: Strategy, blocks: dict[str, str]) -> StepTrace:
+        """`trace_plan` of ``blocks``, once per trace setting and choices."""
+        key = (*_trace_setting(s, self.precision), tuple(blocks.items()))
+        if key not in self._traces:
+            self._traces[key] = self.trace_plan(s, self.plan_for(blocks))
+        return self._traces[key]
+
     def fit(self, budget: int) -> BudgetAnswer:
-        """The fastest answer within ``budget`` bytes per GPU (`BudgetError` if none)."""
+        """The fastest answer within ``budget`` bytes per GPU (`BudgetError` if none).
+        Every strategy is solved on the per-block model; the fastest are traced as they
+        run, in order, until none left could beat the fastest traced one."""
         if budget <= 0:
             raise MemoryInputError(f"the budget must be a positive number of bytes, got {budget}")
-        best: tuple[float, int, Strategy, dict[str, str], int] | None = None
-        fits: list[StrategyFit] = []
+        modelled: list[tuple[float, int, Strategy, float, dict[str, str]]] = []
+        fits: dict[str, StrategyFit] = {}
         for order, s in enumerate(self.strategies):
-            found = self._answer_for(s, budget)
-            if found is None:
-                fits.append(StrategyFit(s.key, s.label, False, None, None, self._parts_without(s)))
+            limit = self._activation_limit(s, budget)
+            found = self._solve(s, limit) if limit is not None else None
+            if limit is None or found is None:
+                least = {b.path: min(self._allowed(s), key=lambda c, b=b: held(b, c))
+                         for b in self.setting(s).blocks}
+                memory = self._flat_memory(s, self._model_peak(s, least))
+                fits[s.key] = StrategyFit(s.key, s.label, False, memory.device, None, _parts(memory))
                 continue
-            step, blocks, peak, memory = found
-            fits.append(StrategyFit(s.key, s.label, True, peak, step, _parts(memory)))
-            if best is None or step < best[0] * (1 - 1e-9):
-                best = (step, order, s, blocks, peak)
+            blocks = dict(zip(self.paths, found[1], strict=True))
+            memory = self._flat_memory(s, self._model_peak(s, blocks))
+            step = self._base_step(s) + found[0]
+            fits[s.key] = StrategyFit(s.key, s.label, True, memory.device, step, _parts(memory))
+            modelled.append((step, order, s, limit, blocks))
+        best: tuple[float, int, Strategy, dict[str, str], int] | None = None
+        for step, order, s, limit, _ in sorted(modelled, key=lambda m: (m[0], m[1])):
+            if best is not None and step >= best[0] * (1 - 1e-9):
+                break  # tracing only ever lowers the limit, so it cannot get faster
+            verified = self._verified(s, budget, limit)
+            if verified is None:
+                fits[s.key] = dataclasses.replace(fits[s.key], fits=False, step_time_s=None)
+                continue
+            added, blocks, memory = verified
+            traced_step = self._base_step(s) + added
+            fits[s.key] = StrategyFit(s.key, s.label, True, memory.device, traced_step, _parts(memory))
+            if best is None or traced_step < best[0] * (1 - 1e-9):
+                best = (traced_step, order, s, blocks, memory.device)
         if best is None:
             smallest, key = self.smallest_budget()
             raise BudgetError(
                 f"nothing fits {format_bytes(budget)} per GPU: the smallest budget that would is "
                 f"{format_bytes(smallest)} ({strategy(key).label}, every block at its least memory)"
-                if smallest is not None else
-                f"nothing fits {format_bytes(budget)} per GPU, at any budget tried", smallest, key)
+                if smallest is not None and key is not None else
+                f"nothing fits {format_bytes(budget)} per GPU with these strategies and choices",
+                smallest, key)
         step, _, s, blocks, peak = best
-        plan = self.plan_for(blocks)
-        options = s.engine_options(self.precision)
         return BudgetAnswer(
-            budget_bytes=budget, strategy=s.key, label=s.label, engine=s.engine, options=options,
-            plan=plan, blocks=blocks, peak_bytes=peak, step_time_s=step,
-            checkpoint_all_step_s=self._checkpoint_all(s, budget), call=_call(s, self.precision),
-            margin=self.margin, reserve=self.reserve, device=self.dev.name, strategies=tuple(fits))
+            budget_bytes=budget, strategy=s.key, label=s.label, engine=s.engine,
+            options=s.engine_options(self.precision), plan=self.plan_for(blocks), blocks=blocks,
+            peak_bytes=peak, step_time_s=step, checkpoint_all_step_s=self._checkpoint_all(s, budget),
+            call=_call(s, self.precision), margin=self.margin, reserve=self.reserve,
+            device=self.dev.name, strategies=tuple(fits[x.key] for x in self.strategies))
 
     def _checkpoint_all(self, s: Strategy, budget: int) -> float | None:
         """The predicted step of ``s`` with every block fully checkpointed, if it fits."""
-        st = self.setting(s)
-        blocks = dict.fromkeys(self.paths, "checkpoint")
-        memory = self._memory(s, self.trace_plan(s, self.plan_for(blocks)))
+        memory = self._memory(s, self._traced(s, dict.fromkeys(self.paths, "checkpoint")))
         if memory.device > (budget - self.reserve) / (1 + self.margin):
             return None
-        base = step_time(s, st.trace, self.plan, self.model, self.records, self.network,
-                         precision=self.precision, optimizer=self.optimizer).overlapped
-        return base + sum(choice_seconds(b, "checkpoint", self.dev) for b in st.blocks)
-
-    def _parts_without(self, s: Strategy) -> dict[str, int]:
-        """The terms of ``s`` with every block at its least memory (for the picture)."""
-        least = {p: min(self._allowed(s), key=lambda c, b=b: held(b, c))
-                 for p, b in zip(self.paths, self.setting(s).blocks, strict=True)}
-        return _parts(self._memory(s, self.trace_plan(s, self.plan_for(least))))
+        return self._base_step(s) + sum(choice_seconds(b, "checkpoint", self.dev)
+                                        for b in self.setting(s).blocks)
 
     def smallest_budget(self) -> tuple[int | None, str | None]:
         """The least budget some strategy fits (bytes, by the per-block model) and that
