@@ -13,18 +13,17 @@ from typing import Any
 __all__ = ["run_budget"]
 
 
-def run_budget(args: argparse.Namespace, model: Any, plan: Any, reserve: int | None) -> int:
-    """Solve ``args.budget`` for ``model`` under ``plan``; the exit status."""
-    from annot.cli.main import _size
+def run_budget(args: argparse.Namespace, model: Any, plan: Any, budget: int | None,
+               reserve: int | None) -> int:
+    """Solve ``budget`` (bytes, ``args.budget`` read) for ``model`` under ``plan``; the
+    exit status."""
     from annot.memory import MARGIN, RESERVE
     from annot.memory.budget import BudgetError, budget_solver
     from annot.policies import AnnotError
 
     try:
-        if args.budget is None:
+        if budget is None:
             raise ValueError("--plot draws a budget answer: give --budget SIZE too")
-        budget = _size(args.budget, "--budget")
-        assert budget is not None
         solver = budget_solver(
             model, plan=plan, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=args.seq,
             precision=args.precision, optimizer=args.optimizer, device=args.device,

@@ -225,7 +225,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.budget is not None or args.plot is not None:
         from annot.cli.budget import run_budget
 
-        return run_budget(args, model, plan, reserve)
+        try:
+            budget = _size(args.budget, "--budget")
+        except ValueError as exc:
+            print(f"annot plan: error: {exc}", file=sys.stderr)
+            return 2
+        return run_budget(args, model, plan, budget, reserve)
     from annot.memory import MARGIN, RESERVE, estimate_memory
     from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, TFLOPS
 

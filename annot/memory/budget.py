@@ -309,7 +309,8 @@ class BudgetSolver:
         marks are dropped (the strategy's options say what is offloaded)."""
         units = []
         for u in self.plan.units:
-            actions = tuple(a for a in u.actions if a not in (Action.CHECKPOINT, Action.OFFLOAD))
+            actions: tuple[Action, ...] = tuple(a for a in u.actions
+                                                if a not in (Action.CHECKPOINT, Action.OFFLOAD))
             choice = blocks.get(u.path)
             if choice is None:
                 units.append(dataclasses.replace(u, actions=actions))
@@ -413,8 +414,7 @@ class BudgetSolver:
             limit = self._activation_limit(s, budget)
             found = self._solve(s, limit) if limit is not None else None
             if limit is None or found is None:
-                least = {b.path: min(self._allowed(s), key=lambda c, b=b: held(b, c))
-                         for b in self.setting(s).blocks}
+                least = {b.path: _least(b, self._allowed(s)) for b in self.setting(s).blocks}
                 memory = self._flat_memory(s, self._model_peak(s, least))
                 fits[s.key] = StrategyFit(s.key, s.label, False, memory.device, None, _parts(memory))
                 continue
@@ -479,6 +479,11 @@ class BudgetSolver:
         return best if best is not None else (None, None)
 
 
+def _least(block: BlockProfile, allowed: list[str]) -> str:
+    """The allowed choice holding the fewest bytes for ``block``."""
+    return min(allowed, key=lambda c: held(block, c))
+
+
 def _parts(memory: RankMemory) -> dict[str, int]:
     return {k: v for k, v in memory.parts.items() if not k.startswith("host: ")}
 
@@ -498,9 +503,10 @@ def _activation_model(blocks: list[BlockProfile], trace: StepTrace, plan: Plan) 
     indices = {shard.get(b.path, -2) for b in blocks}
     total = sum(b.keep for b in blocks)
     outside = [top for _, u, top, _ in trace.segments if u not in indices] or [trace.peak]
-    head = max(outside) - total
+    head = float(max(outside) - total)
     everywhere = max(top for _, _, top, _ in trace.segments) if trace.segments else trace.peak
-    extra, before = [], 0
+    extra: list[float] = []
+    before = 0
     for b in blocks:
         before += b.keep
         tops = [top for _, u, top, _ in trace.segments if u == shard.get(b.path, -2)]

@@ -92,8 +92,9 @@ def device(name: str, *, tflops: float | None = None, hbm_bw: float | None = Non
     if found is None:
         raise MemoryInputError(f"unknown device {name!r}; choose from {', '.join(DEVICES)} "
                                "(or override tflops=, hbm_bw=, host_bw=)")
-    out = dataclasses.replace(found, **{k: v for k, v in (("tflops", tflops), ("hbm_bw", hbm_bw),
-                                                           ("host_bw", host_bw)) if v is not None})
+    out = Device(found.name, tflops=found.tflops if tflops is None else tflops,
+                 hbm_bw=found.hbm_bw if hbm_bw is None else hbm_bw,
+                 host_bw=found.host_bw if host_bw is None else host_bw)
     for name_, value in (("tflops", out.tflops), ("hbm_bw", out.hbm_bw)):
         if not value > 0:
             raise MemoryInputError(f"{name_} must be positive, got {value}")
