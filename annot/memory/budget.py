@@ -218,8 +218,17 @@ class _Setting:
 
     blocks: list[BlockProfile]
     trace: StepTrace
-    #: Per block: what backward adds while it runs beyond the bytes blocks hold
-    #: (`_activation_model`), and the end of forward's.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Points:
+    """One strategy's memory model (`BudgetSolver.points`): the device bytes with no
+    activation at all (``bare``); per block, the most the device holds while the block
+    runs beyond the bytes blocks up to it hold (``extra``: backward's transients, what
+    lives outside every block, the engine's memory at that moment); the same outside
+    every block beyond all blocks' held bytes (``head``)."""
+
+    bare: int
     extra: list[float]
     head: float
 
@@ -253,6 +262,7 @@ class BudgetSolver:
         self.records = param_records(self.model, self.plan)
         self._settings: dict[tuple[Any, ...], _Setting] = {}
         self._traces: dict[tuple[Any, ...], StepTrace] = {}
+        self._points: dict[str, _Points] = {}
 
     # -- traces --------------------------------------------------------------------------
     def setting(self, s: Strategy) -> _Setting:
@@ -263,19 +273,54 @@ class BudgetSolver:
                                        dtype=dtype, autocast=autocast, inputs=self.inputs)
             trace = trace_step(self.model, self.plan, batch=self.batch, seq=self.seq, checkpoint=False,
                                dtype=dtype, autocast=autocast, inputs=self.inputs)
-            extra, head = _activation_model(blocks, trace, self.plan)
-            self._settings[key] = _Setting(blocks, trace, extra, head)
+            self._settings[key] = _Setting(blocks, trace)
         return self._settings[key]
+
+    def points(self, s: Strategy) -> _Points:
+        """`_Points` of ``s``, from the plain step's trace: each stretch of it (top and
+        end, `StepTrace.segments`) with the engine memory `strategy_memory` adds there.
+        With every block at ``none`` this model gives the traced peak exactly."""
+        if s.key in self._points:
+            return self._points[s.key]
+        st = self.setting(s)
+        trace, big = st.trace, 1 << 50
+        shard = {p: i for i, u in enumerate(u for u in self.plan.units if u.has(Action.SHARD))
+                 for p in u.modules}
+        block_of = {shard[b.path]: i for i, b in enumerate(st.blocks) if b.path in shard}
+        prefix = [0] * len(st.blocks)
+        running = 0
+        for i, b in enumerate(st.blocks):
+            running += b.keep
+            prefix[i] = running
+        extra: list[float] = [-float("inf")] * len(st.blocks)
+        head = -float("inf")
+        for k, (_, unit, top, end) in enumerate(trace.segments):
+            for which, act in ((0, top), (1, end)):
+                marked = tuple((ph, u, big if j == k and which == 0 else 0, big if j == k and which == 1 else 0)
+                               for j, (ph, u, _, _) in enumerate(trace.segments))
+                device_ = self._memory(s, dataclasses.replace(
+                    trace, peak=big, peak_with_grads=big + trace.grads, segments=marked)).device
+                if device_ < big:
+                    continue  # the engine has no stretch at this point
+                value = act + device_ - big
+                if unit in block_of:
+                    i = block_of[unit]
+                    extra[i] = max(extra[i], value - prefix[i])
+                else:
+                    head = max(head, value - running)
+        if not trace.segments:  # no stretches: one point at the trace's peak
+            head = trace.peak + self._flat_memory(s, big).device - big - running
+        if any(e == -float("inf") for e in extra):  # a block that is no shard unit
+            worst = max((e + prefix[i] for i, e in enumerate(extra) if e != -float("inf")),
+                        default=head + running)
+            extra = [e if e != -float("inf") else max(worst, head + running) - prefix[i]
+                     for i, e in enumerate(extra)]
+        self._points[s.key] = _Points(self._flat_memory(s, 0).device, extra, head)
+        return self._points[s.key]
 
     def _memory(self, s: Strategy, trace: StepTrace) -> RankMemory:
         return strategy_memory(s, trace, self.facts, self.plan, world=self.network.world,
                                precision=self.precision, optimizer=self.optimizer, records=self.records)
-
-    def _fixed(self, s: Strategy) -> tuple[int, int]:
-        """(the peak with no activations at all, what the engine holds beside the
-        activations at worst during forward and backward)."""
-        big = 1 << 50
-        return self._flat_memory(s, 0).device, self._flat_memory(s, big).device - big
 
     def _allowed(self, s: Strategy) -> list[str]:
         allowed = [c for c in self.choices if c in ENGINE_CHOICES[s.engine]]
@@ -284,25 +329,24 @@ class BudgetSolver:
         return allowed
 
     # -- solving -------------------------------------------------------------------------
-    def _solve(self, s: Strategy, activation_limit: float) -> tuple[float, list[str]] | None:
-        st = self.setting(s)
+    def _solve(self, s: Strategy, limit: float) -> tuple[float, list[str]] | None:
+        """(added seconds, choice per block) of ``s`` whose modelled device peak is at
+        most ``limit`` counted bytes, or ``None``."""
+        st, pts = self.setting(s), self.points(s)
+        if pts.bare > limit:
+            return None
         allowed = self._allowed(s)
         held_ = [[float(held(b, c)) for c in allowed] for b in st.blocks]
         cost = [[choice_seconds(b, c, self.dev) for c in allowed] for b in st.blocks]
-        limits = [activation_limit - b.keep - e for b, e in zip(st.blocks, st.extra, strict=True)]
-        found = solve(held_, cost, limits, activation_limit - st.head)
+        limits = [limit - b.keep - e for b, e in zip(st.blocks, pts.extra, strict=True)]
+        found = solve(held_, cost, limits, limit - pts.head)
         if found is None:
             return None
         return found[0], [allowed[i] for i in found[1]]
 
-    def _activation_limit(self, s: Strategy, budget: int) -> float | None:
-        """Bytes of activations the budget leaves ``s`` (``None``: its states alone do
-        not fit)."""
-        bare, beside = self._fixed(s)
-        counted = (budget - self.reserve) / (1 + self.margin)
-        if bare > counted:
-            return None
-        return counted - beside
+    def _counted(self, budget: int) -> float:
+        """Counted bytes a budget leaves: budget = counted x (1 + margin) + reserve."""
+        return (budget - self.reserve) / (1 + self.margin)
 
     def plan_for(self, blocks: dict[str, str]) -> Plan:
         """The Plan with ``blocks``' choices (`annot.policies.plan.Unit` fields); offload
@@ -363,13 +407,13 @@ class BudgetSolver:
         return moved / (self.dev.host_bw * GB)
 
     def _model_peak(self, s: Strategy, blocks: dict[str, str]) -> int:
-        """The per-block model's activation peak of ``blocks`` (`_activation_model`)."""
-        st = self.setting(s)
-        held_before, peak = 0.0, 0.0
-        for b, extra in zip(st.blocks, st.extra, strict=True):
+        """The per-block model's device peak of ``blocks`` (`points`)."""
+        st, pts = self.setting(s), self.points(s)
+        held_before, peak = 0.0, float(pts.bare)
+        for b, extra in zip(st.blocks, pts.extra, strict=True):
             peak = max(peak, held_before + b.keep + extra)
             held_before += held(b, blocks[b.path])
-        return int(max(peak, held_before + st.head))
+        return int(max(peak, held_before + pts.head))
 
     def _flat_memory(self, s: Strategy, activations: int) -> RankMemory:
         trace = self.setting(s).trace
@@ -382,7 +426,7 @@ class BudgetSolver:
         """(added seconds, choices, traced memory) of ``s``: solved, traced as it runs,
         solved again with the model's shortfall taken off the limit while the trace
         exceeds the budget (at most `RETRACES` times)."""
-        counted = (budget - self.reserve) / (1 + self.margin)
+        counted = self._counted(budget)
         for _ in range(RETRACES):
             found = self._solve(s, limit)
             if found is None:
@@ -410,16 +454,16 @@ class BudgetSolver:
             raise MemoryInputError(f"the budget must be a positive number of bytes, got {budget}")
         modelled: list[tuple[float, int, Strategy, float, dict[str, str]]] = []
         fits: dict[str, StrategyFit] = {}
+        limit = self._counted(budget)
         for order, s in enumerate(self.strategies):
-            limit = self._activation_limit(s, budget)
-            found = self._solve(s, limit) if limit is not None else None
-            if limit is None or found is None:
+            found = self._solve(s, limit)
+            if found is None:
                 least = {b.path: _least(b, self._allowed(s)) for b in self.setting(s).blocks}
-                memory = self._flat_memory(s, self._model_peak(s, least))
+                memory = self._modelled_memory(s, least)
                 fits[s.key] = StrategyFit(s.key, s.label, False, memory.device, None, _parts(memory))
                 continue
             blocks = dict(zip(self.paths, found[1], strict=True))
-            memory = self._flat_memory(s, self._model_peak(s, blocks))
+            memory = self._modelled_memory(s, blocks)
             step = self._base_step(s) + found[0]
             fits[s.key] = StrategyFit(s.key, s.label, True, memory.device, step, _parts(memory))
             modelled.append((step, order, s, limit, blocks))
@@ -452,10 +496,17 @@ class BudgetSolver:
             call=_call(s, self.precision), margin=self.margin, reserve=self.reserve,
             device=self.dev.name, strategies=tuple(fits[x.key] for x in self.strategies))
 
+    def _modelled_memory(self, s: Strategy, blocks: dict[str, str]) -> RankMemory:
+        """``s``'s memory with the activations the per-block model gives ``blocks`` at
+        its peak (terms for the picture of strategies not traced)."""
+        big = 1 << 50
+        beside = self._flat_memory(s, big).device - big
+        return self._flat_memory(s, max(0, self._model_peak(s, blocks) - beside))
+
     def _checkpoint_all(self, s: Strategy, budget: int) -> float | None:
         """The predicted step of ``s`` with every block fully checkpointed, if it fits."""
         memory = self._memory(s, self._traced(s, dict.fromkeys(self.paths, "checkpoint")))
-        if memory.device > (budget - self.reserve) / (1 + self.margin):
+        if memory.device > self._counted(budget):
             return None
         return self._base_step(s) + sum(choice_seconds(b, "checkpoint", self.dev)
                                         for b in self.setting(s).blocks)
@@ -465,15 +516,13 @@ class BudgetSolver:
         strategy's key."""
         best: tuple[int, str] | None = None
         for s in self.strategies:
-            bare, beside = self._fixed(s)
             lo, hi = 0.0, float(1 << 50)
             if self._solve(s, hi) is None:
                 continue
             while hi - lo > max(1.0, hi * 1e-6):
                 mid = (lo + hi) / 2
                 lo, hi = (lo, mid) if self._solve(s, mid) is not None else (mid, hi)
-            counted = max(bare, beside + hi)
-            need = int(counted * (1 + self.margin) + self.reserve) + 1
+            need = int(hi * (1 + self.margin) + self.reserve) + 1
             if best is None or need < best[0]:
                 best = (need, s.key)
         return best if best is not None else (None, None)
@@ -492,26 +541,6 @@ def _call(s: Strategy, precision: str) -> str:
     """The ``auto_wrap`` call of ``s`` taking the answer's Plan (``plan``)."""
     return s.call(precision).replace(f'annot.auto_wrap(model, "{s.engine}"',
                                      f'annot.auto_wrap(model, "{s.engine}", plan', 1)
-
-
-def _activation_model(blocks: list[BlockProfile], trace: StepTrace, plan: Plan) -> tuple[list[float], float]:
-    """From the plain step's trace: per block, the live activation bytes while backward
-    runs it beyond the bytes held by blocks up to it (the transients of backward, and
-    what outside every block is still alive), and at the end of forward beyond every
-    block's held bytes. With every block at ``none`` the model gives the trace's peaks."""
-    shard = {p: i for i, u in enumerate(u for u in plan.units if u.has(Action.SHARD)) for p in u.modules}
-    indices = {shard.get(b.path, -2) for b in blocks}
-    total = sum(b.keep for b in blocks)
-    outside = [top for _, u, top, _ in trace.segments if u not in indices] or [trace.peak]
-    head = float(max(outside) - total)
-    everywhere = max(top for _, _, top, _ in trace.segments) if trace.segments else trace.peak
-    extra: list[float] = []
-    before = 0
-    for b in blocks:
-        before += b.keep
-        tops = [top for _, u, top, _ in trace.segments if u == shard.get(b.path, -2)]
-        extra.append((max(tops) if tops else everywhere) - before)
-    return extra, head
 
 
 def _traced_offload(module: nn.Module) -> None:
