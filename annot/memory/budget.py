@@ -47,7 +47,7 @@ from annot.memory.choices import (
 )
 from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, Network, param_records
 from annot.memory.engine_memory import RankMemory, _bytes, model_facts
-from annot.memory.report import MARGIN, RESERVE, _trace_setting, step_time, strategy_memory
+from annot.memory.report import MARGIN, RESERVE, _seconds, _trace_setting, step_time, strategy_memory
 from annot.memory.solver import solve
 from annot.memory.strategies import PRECISIONS, STRATEGIES, MemoryInputError, Strategy, strategy
 from annot.policies import Action, Plan, Policy, Rule, make_plan
@@ -136,11 +136,11 @@ class BudgetAnswer:
         lines = [
             f"budget {format_bytes(self.budget_bytes)} per GPU (counted peak x {1 + self.margin:g} "
             f"+ {format_bytes(self.reserve)} must fit): {self.label}, peak {format_bytes(self.peak_bytes)} "
-            f"counted, step {self.step_time_s * 1e3:.1f} ms predicted on {self.device}",
+            f"counted, step {_seconds(self.step_time_s)} predicted on {self.device}",
             "blocks: " + ", ".join(f"{n} {c}" for c, n in counts.items() if n),
         ]
         if self.checkpoint_all_step_s is not None:
-            lines.append(f"checkpointing every block instead: step {self.checkpoint_all_step_s * 1e3:.1f} ms")
+            lines.append(f"checkpointing every block instead: step {_seconds(self.checkpoint_all_step_s)}")
         for path, choice in self.blocks.items():
             lines.append(f"  {path}: {choice}")
         lines.append(f"  {self.call}")
