@@ -47,7 +47,14 @@ from annot.memory.choices import (
 )
 from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, Network, param_records
 from annot.memory.engine_memory import RankMemory, _bytes, model_facts
-from annot.memory.report import MARGIN, RESERVE, _seconds, _trace_setting, step_time, strategy_memory
+from annot.memory.report import (
+    MARGIN,
+    RESERVE,
+    _seconds,
+    _trace_setting,
+    step_time,
+    strategy_memory,
+)
 from annot.memory.solver import solve
 from annot.memory.strategies import PRECISIONS, STRATEGIES, MemoryInputError, Strategy, strategy
 from annot.policies import Action, Plan, Policy, Rule, make_plan
