@@ -1,15 +1,19 @@
 """`fit_budget`: the strategy and, per block, the activation choice
 (`annot.memory.choices`) that train fastest within a memory budget per GPU.
 
-For each strategy annot builds (the outer loop), the per-rank memory that does not
-depend on the choices comes from `annot.memory.engine_memory` (model states, engine
-buffers, gathered parameters), and the activations from two traces of the step: one
-forward that profiles each block (`profile_blocks`) and the plain training step
-(`trace_step`), whose per-block backward peaks give what backward adds while each block
-runs. `annot.memory.solver` then picks the choices exactly (dynamic programming over the
-blocks) so that the peak at the end of forward and at every block of backward fits, at
-the least added time. The strategy with the shortest predicted step wins (ties: the
-order of `annot.memory.strategies.STRATEGIES`, simplest first).
+For each strategy annot builds (the outer loop), two traces of the step (made once per
+trace setting) give the model: one forward that profiles each block
+(`annot.memory.choices.profile_blocks`: what it saves, its input, its matmul outputs,
+its FLOPs) and the plain training step (`trace_step`), whose stretches (forward and
+backward of each shard unit, outside them) are each joined with what the engine holds
+then (`annot.memory.engine_memory`: model states, buffers, gathered parameters,
+gradients so far; `BudgetSolver.points`). So the peak is checked at the end of forward
+and at every stretch of backward, each with the engine's memory at that moment, and
+with every block at ``none`` the model gives the traced peak exactly (tested).
+`annot.memory.solver` then picks the choices exactly (dynamic programming over the
+blocks) so that every such point fits, at the least added time. The strategy with the
+shortest predicted step wins (ties: the order of
+`annot.memory.strategies.STRATEGIES`, simplest first).
 
 The answer is then traced as it will run (its Plan's checkpointing, selective contexts
 and offload under ``FakeTensorMode``), and ``peak_bytes`` is that traced figure; where
