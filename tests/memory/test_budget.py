@@ -240,3 +240,30 @@ def test_the_plot_is_drawn_or_matplotlib_is_named(tiny_solver, tmp_path):
         return
     for name in ("budget.png", "budget.svg"):
         assert plot_budget(answer, tmp_path / name).stat().st_size > 0
+
+
+def test_the_torch_engines_offload_the_units_the_plan_asks_and_no_other():
+    from annot.engines.base import checkpoint_and_offload_activations
+    from annot.runtime.activation_checkpoint import is_checkpointed
+    from annot.runtime.activation_offload import activation_offloader
+
+    model = GPT(**TINY)
+    plan = annot.plan(model)
+    plan = dataclasses.replace(plan, units=(
+        dataclasses.replace(plan.units[0], offload_activations=True), *plan.units[1:]))
+    checkpoint_and_offload_activations(model, plan, plan.paths(Action.CHECKPOINT), False)
+    offloader = activation_offloader(model)
+    assert offloader is not None
+    x = torch.randint(0, 256, (2, 32))
+    model(x, x)[1].backward()
+    # Block 0 is checkpointed and offloaded: its checkpoint saves one tensor, its input.
+    assert offloader.packed_tensors == 1
+    assert all(is_checkpointed(model.get_submodule(p)) for p in plan.paths(Action.CHECKPOINT))
+    # Not checkpointed, block 0 alone offloads everything it saves, the others nothing.
+    alone = GPT(**TINY)
+    checkpoint_and_offload_activations(alone, plan, [], None)
+    alone(x, x)[1].backward()
+    every = GPT(**TINY)
+    checkpoint_and_offload_activations(every, plan, [], True)
+    every(x, x)[1].backward()
+    assert 1 < activation_offloader(alone).packed_tensors < activation_offloader(every).packed_tensors
