@@ -10,6 +10,7 @@ from pathlib import Path
 
 from annot.memory.budget import BudgetAnswer
 from annot.memory.strategies import MemoryInputError
+from annot.policies.plan import format_bytes
 
 __all__ = ["KINDS", "kind_of", "plot_budget", "stacked"]
 
@@ -65,19 +66,20 @@ def plot_budget(answer: BudgetAnswer, path: str | Path) -> Path:
             "(or pip install matplotlib)") from None
     bars = stacked(answer)
     labels = list(bars)
+    unit, scale = ("GiB", GiB) if answer.budget_bytes >= GiB else ("MiB", 2**20)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels)), 4.5))
     bottoms = [0.0] * len(labels)
     for kind in KINDS:
-        heights = [bars[label][kind] / GiB for label in labels]
+        heights = [bars[label][kind] / scale for label in labels]
         ax.bar(labels, heights, bottom=bottoms, label=kind)
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    ax.axhline(answer.budget_bytes / GiB, color="black", linestyle="--", label="budget")
+    ax.axhline(answer.budget_bytes / scale, color="black", linestyle="--", label="budget")
     chosen = next(i for i, f in enumerate(answer.strategies) if f.key == answer.strategy)
     ax.annotate("chosen", (chosen, bottoms[chosen]), ha="center", va="bottom", fontweight="bold")
-    ax.set_ylabel("GiB per GPU")
-    ax.set_title(f"{answer.plan.model}: per-GPU memory against {answer.budget_bytes / GiB:.1f} GiB")
+    ax.set_ylabel(f"{unit} per GPU")
+    ax.set_title(f"{answer.plan.model}: per-GPU memory against {format_bytes(answer.budget_bytes)}")
     ax.tick_params(axis="x", labelrotation=60)
-    ax.legend(fontsize="small", loc="upper right")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
