@@ -271,6 +271,7 @@ class BudgetSolver:
                 "sharded unit): pass plan= (a policy selecting the repeated blocks)")
         self.facts = model_facts(self.model, self.plan)
         self.records = param_records(self.model, self.plan)
+        self.buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
         self._settings: dict[tuple[Any, ...], _Setting] = {}
         self._traces: dict[tuple[Any, ...], StepTrace] = {}
         self._points: dict[str, _Points] = {}
@@ -330,8 +331,17 @@ class BudgetSolver:
         return self._points[s.key]
 
     def _memory(self, s: Strategy, trace: StepTrace) -> RankMemory:
-        return strategy_memory(s, trace, self.facts, self.plan, world=self.network.world,
-                               precision=self.precision, optimizer=self.optimizer, records=self.records)
+        """`strategy_memory` of ``s`` on ``trace``, plus the model's buffers: every rank
+        keeps them whole, and no term of `annot.memory.engine_memory` counts them (the
+        example GPT's causal masks: 512 KiB at block size 256 x 8 blocks, what a counted
+        2-rank run measured above the plain planner's figure)."""
+        memory = strategy_memory(s, trace, self.facts, self.plan, world=self.network.world,
+                                 precision=self.precision, optimizer=self.optimizer, records=self.records)
+        if not self.buffers:
+            return memory
+        return dataclasses.replace(memory, device=memory.device + self.buffers,
+                                   combined=memory.combined + self.buffers,
+                                   parts={**memory.parts, "buffers": self.buffers})
 
     def _allowed(self, s: Strategy) -> list[str]:
         allowed = [c for c in self.choices if c in ENGINE_CHOICES[s.engine]]

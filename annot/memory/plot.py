@@ -30,7 +30,7 @@ def kind_of(part: str) -> str:
         return "optimizer states"
     if "grad" in name and "reduce-scatter" not in name:
         return "gradients"
-    if "param" in name:
+    if "param" in name or name == "buffers":  # the model's own buffers: model state
         return "parameters"
     return "engine buffers"
 
