@@ -533,9 +533,11 @@ class BudgetSolver:
                                         for b in self.setting(s).blocks)
 
     def smallest_budget(self) -> tuple[int | None, str | None]:
-        """The least budget some strategy fits (bytes, by the per-block model) and that
-        strategy's key."""
-        best: tuple[int, str] | None = None
+        """The least budget some strategy fits and that strategy's key: the per-block
+        model's least over strategies, raised to what the trace of that strategy with
+        every block at its least memory needs (the model can be short; the trace is what
+        runs)."""
+        best: tuple[int, Strategy] | None = None
         for s in self.strategies:
             lo, hi = 0.0, float(1 << 50)
             if self._solve(s, hi) is None:
@@ -545,8 +547,13 @@ class BudgetSolver:
                 lo, hi = (lo, mid) if self._solve(s, mid) is not None else (mid, hi)
             need = int(hi * (1 + self.margin) + self.reserve) + 1
             if best is None or need < best[0]:
-                best = (need, s.key)
-        return best if best is not None else (None, None)
+                best = (need, s)
+        if best is None:
+            return None, None
+        need, s = best
+        least = {b.path: _least(b, self._allowed(s)) for b in self.setting(s).blocks}
+        traced = self._memory(s, self._traced(s, least)).device
+        return max(need, int(traced * (1 + self.margin) + self.reserve) + 1), s.key
 
 
 def _least(block: BlockProfile, allowed: list[str]) -> str:
