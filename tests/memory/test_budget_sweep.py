@@ -37,7 +37,6 @@ def test_chosen_plans_run_within_budget_on_two_ranks(tmp_path):
 
 
 def test_llama_8b_answers_fit_and_get_no_slower_with_more_memory():
-    pytest.importorskip("transformers")
     rows = llama_rows()
     fitting = [r for r in rows if r["fits"]]
     assert len(fitting) >= 4, rows
