@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     )
     from annot.huggingface.pretrained import PretrainedPathError, from_pretrained
     from annot.markers import checkpoint_block, get_mark, mark, offload_block, shard_block, unmark
-    from annot.memory import estimate_memory
+    from annot.memory import BudgetAnswer, BudgetError, estimate_memory, fit_budget
     from annot.meta.deferred import DeferredInitError, build, meta_init, register_init
     from annot.planning import plan
     from annot.policies import (
@@ -98,6 +98,9 @@ _EXPORTS = {
     "from_pretrained": "annot.huggingface.pretrained",
     "PretrainedPathError": "annot.huggingface.pretrained",
     "estimate_memory": "annot.memory",
+    "fit_budget": "annot.memory",
+    "BudgetAnswer": "annot.memory",
+    "BudgetError": "annot.memory",
     "auto_wrap": "annot.wrap",
     "fsdp1_policies": "annot.engines.fsdp1",
     "deepspeed_config": "annot.engines.deepspeed_config",
@@ -112,6 +115,8 @@ _EXPORTS = {
 
 __all__ = [
     "AnnotError",
+    "BudgetAnswer",
+    "BudgetError",
     "CheckpointError",
     "DDPOptions",
     "DeepSpeedOptions",
@@ -142,6 +147,7 @@ __all__ = [
     "deepspeed_config",
     "estimate_memory",
     "every_nth",
+    "fit_budget",
     "fsdp1_policies",
     "from_pretrained",
     "init_distributed",

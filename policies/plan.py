@@ -16,9 +16,12 @@ from annot.policies.marks import Action
 from annot.policies.parallel import ParallelDims
 from annot.policies.rules import format_count
 
-__all__ = ["Plan", "RootInfo", "Unit", "format_bytes"]
+__all__ = ["CHECKPOINT_POLICIES", "Plan", "RootInfo", "Unit", "format_bytes"]
 
 FORMAT_VERSION = 1
+#: Selective checkpoint policies a unit may name (`Unit.checkpoint_policy`); the run time
+#: that applies them is `annot.runtime.selective_checkpoint`.
+CHECKPOINT_POLICIES: tuple[str, ...] = ("save_matmuls",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,17 @@ class Unit:
     offload_to: str | None = None
     #: How many of ``params`` require grad (``None``: not counted, e.g. an old JSON plan).
     trainable: int | None = None
+    #: A checkpointed unit's selective policy (`CHECKPOINT_POLICIES`: ``"save_matmuls"``
+    #: keeps matmul outputs and recomputes the rest); ``None``: full checkpoint.
+    checkpoint_policy: str | None = None
+    #: Whether what autograd saves inside this unit waits on the host (activation
+    #: offload, on the torch engines that offload activations; not parameter offload).
+    offload_activations: bool = False
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_policy is not None and self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise PlanError(f"unit {self.path!r}: unknown checkpoint policy {self.checkpoint_policy!r}; "
+                            f"choose from {', '.join(CHECKPOINT_POLICIES)}")
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -64,6 +78,10 @@ class Unit:
             out["offload_to"] = self.offload_to
         if self.trainable is not None:
             out["trainable"] = self.trainable
+        if self.checkpoint_policy is not None:
+            out["checkpoint_policy"] = self.checkpoint_policy
+        if self.offload_activations:
+            out["offload_activations"] = True
         return out
 
     @classmethod
@@ -78,6 +96,8 @@ class Unit:
             group=tuple(data.get("group", ())),
             offload_to=data.get("offload_to"),
             trainable=None if data.get("trainable") is None else int(data["trainable"]),
+            checkpoint_policy=data.get("checkpoint_policy"),
+            offload_activations=bool(data.get("offload_activations", False)),
         )
 
 
@@ -197,7 +217,9 @@ class Plan:
                 format_count(u.params) + (f" x{last - first + 1}" if first != last else ""),
                 format_bytes(sum(u.bytes.values())),
                 ",".join(a.value for a in u.actions)
-                + (f"->{u.offload_to}" if u.offload_to else ""),
+                + (f"->{u.offload_to}" if u.offload_to else "")
+                + (f"({u.checkpoint_policy})" if u.checkpoint_policy else "")
+                + (",offload_activations" if u.offload_activations else ""),
                 u.reason,
             )
             for first, last, label, u in _rows(self.units, collapse)
@@ -265,8 +287,10 @@ def _indexed(path: str) -> tuple[str, int] | None:
 
 def _same_but_path(a: Unit, b: Unit) -> bool:
     return not a.group and not b.group and (
-        (a.cls, a.params, a.trainable, a.bytes, a.actions, a.offload_to, a.reason)
-        == (b.cls, b.params, b.trainable, b.bytes, b.actions, b.offload_to, b.reason)
+        (a.cls, a.params, a.trainable, a.bytes, a.actions, a.offload_to, a.reason,
+         a.checkpoint_policy, a.offload_activations)
+        == (b.cls, b.params, b.trainable, b.bytes, b.actions, b.offload_to, b.reason,
+            b.checkpoint_policy, b.offload_activations)
     )
 
 

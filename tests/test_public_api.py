@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # goes through a deprecation first (annot._deprecation).
 PUBLIC_NAMES = [
     "AnnotError",
+    "BudgetAnswer",
+    "BudgetError",
     "CheckpointError",
     "DDPOptions",
     "DeepSpeedOptions",
@@ -45,6 +47,7 @@ PUBLIC_NAMES = [
     "deepspeed_config",
     "estimate_memory",
     "every_nth",
+    "fit_budget",
     "from_pretrained",
     "fsdp1_policies",
     "get_mark",

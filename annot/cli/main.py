@@ -31,7 +31,8 @@ rules (--policy, --checkpoint, --offload):
   Without --policy/--checkpoint/--offload the model's marks decide, else HuggingFace
   _no_split_modules (shard and checkpoint).
 
-exit codes: 0 plan printed; 1 the plan is invalid (errors printed); 2 bad input.
+exit codes: 0 plan printed; 1 the plan is invalid (errors printed); 2 bad input;
+  3 nothing fits --budget (one line: the smallest budget that would).
 """
 
 
@@ -108,6 +109,21 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     memory.add_argument("--cp", metavar="SIZES", default="",
                         help="context-parallel sizes to weigh, comma-separated (e.g. 2,4,8): "
                              "rows FSDP2 + CP c, each sequence split over c GPUs of a node")
+    budget = p.add_argument_group("memory budget (--memory --budget SIZE)")
+    budget.add_argument("--budget", metavar="SIZE",
+                        help="choose the strategy and, per block, none/selective/checkpoint/"
+                             "checkpoint_offload/offload for the fastest step within SIZE per GPU "
+                             "(e.g. 40GiB); --json gives the auto_wrap call")
+    budget.add_argument("--device", default="H100", metavar="KIND",
+                        help="the cost model's device: H100, H200, A100 or cpu (default: H100; "
+                             "--tflops, --hbm-bw, --host-bw override its figures)")
+    budget.add_argument("--hbm-bw", metavar="GB/S", type=float, default=None,
+                        help="device memory bandwidth for recomputed element-wise work")
+    budget.add_argument("--host-bw", metavar="GB/S", type=float, default=None,
+                        help="host link bandwidth each direction for offload (0: no offload)")
+    budget.add_argument("--plot", metavar="FILE",
+                        help="draw per-GPU memory per strategy against the budget (.png or .svg; "
+                             "needs matplotlib: pip install 'annot-train[plot]')")
     p.add_argument("--full", action="store_true",
                    help="one table row per unit (default: runs of identical blocks share a row)")
 
@@ -209,6 +225,15 @@ def _run_plan(args: argparse.Namespace) -> int:
         return 0
     if args.fit:
         return _run_fit(args, model, options, plan_of, gpu_mem, host_mem, reserve)
+    if args.budget is not None or args.plot is not None:
+        from annot.cli.budget import run_budget
+
+        try:
+            budget = _size(args.budget, "--budget")
+        except ValueError as exc:
+            print(f"annot plan: error: {exc}", file=sys.stderr)
+            return 2
+        return run_budget(args, model, plan, budget, reserve)
     from annot.memory import MARGIN, RESERVE, estimate_memory
     from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, TFLOPS
 

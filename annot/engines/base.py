@@ -53,9 +53,10 @@ from annot.meta.layout import WHOLE, ShardLayout
 from annot.meta.materialization import materialize
 from annot.policies import Action, Plan
 from annot.process_group import rank_and_world
-from annot.runtime.activation_checkpoint import CheckpointFn, apply_checkpointing, torch_checkpoint
+from annot.runtime.activation_checkpoint import CheckpointFn, torch_checkpoint
 from annot.runtime.activation_offload import apply_activation_offload, offloaded_activation_paths
 from annot.runtime.context_parallel import ContextParallel
+from annot.runtime.selective_checkpoint import apply_plan_checkpointing
 from annot.runtime.units import unit_paths
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ __all__ = [
     "fill_values",
     "is_fp16",
     "refuse_nvme_marks",
+    "refuse_plan_activation_choices",
     "resolve_dtype",
     "resolve_torch_offload",
     "trained_parameters",
@@ -389,8 +391,9 @@ class Engine(Generic[OptionsT]):
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: OptionsT,
                 checkpoint_paths: Sequence[str]) -> None:
-        """Install run-time tools inside the units: `checkpoint_function` around each."""
-        apply_checkpointing(model, checkpoint_paths, self.checkpoint_function())
+        """Install run-time tools inside the units: `checkpoint_function` around each (a
+        unit naming a selective policy gets that policy's checkpoint)."""
+        apply_plan_checkpointing(model, request.plan, checkpoint_paths, self.checkpoint_function())
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: OptionsT) -> nn.Module:
         raise NotImplementedError
@@ -478,7 +481,26 @@ def resolve_torch_offload(offload: bool | str | None, engine: str) -> bool | Non
 def checkpoint_and_offload_activations(model: nn.Module, plan: Plan,
                                        checkpoint_paths: Sequence[str],
                                        offload_activations: bool | None) -> None:
-    """The torch engines' run-time tools inside the units: non-reentrant checkpointing,
-    then activation offload (``None``: the units the Plan marks offload)."""
-    apply_checkpointing(model, checkpoint_paths)
-    apply_activation_offload(model, offloaded_activation_paths(plan, offload_activations))
+    """The torch engines' run-time tools inside the units: non-reentrant checkpointing
+    (selective where the unit names a policy), then activation offload (``None``: the
+    units the Plan marks offload; a unit whose ``offload_activations`` is set is
+    offloaded whatever the option says: the Plan asked for that unit)."""
+    apply_plan_checkpointing(model, plan, checkpoint_paths, torch_checkpoint)
+    paths = offloaded_activation_paths(plan, offload_activations)
+    asked = [p for u in plan.units if u.offload_activations for p in u.modules if p not in paths]
+    apply_activation_offload(model, [*paths, *asked])
+
+
+def refuse_plan_activation_choices(plan: Plan, engine: str, *, selective: bool,
+                                   offload: bool) -> None:
+    """An engine that cannot run a unit's selective checkpoint (``selective`` False) or
+    activation offload (``offload`` False) refuses a Plan asking for one, naming the units."""
+    for can, what, units, fix in (
+            (selective, "a selective checkpoint", [u.path for u in plan.units if u.checkpoint_policy],
+             "full checkpointing (checkpoint_policy=None) or engine='fsdp2'/'fsdp1'/'ddp'"),
+            (offload, "activation offload", [u.path for u in plan.units if u.offload_activations],
+             "engine='fsdp2' or 'ddp'")):
+        if units and not can:
+            raise EngineNotAvailableError(
+                f"the Plan asks {what} for {', '.join(units[:3])}{' ...' if len(units) > 3 else ''}, "
+                f"which engine {engine!r} cannot run: use {fix}")

@@ -39,6 +39,7 @@ from annot.engines.base import (
     RenamedOption,
     Trainable,
     WrapRequest,
+    refuse_plan_activation_choices,
     resolve_dtype,
     trained_parameters,
 )
@@ -218,6 +219,9 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
     def check(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions) -> None:
         plan = request.plan
         refuse_deepspeed_dtypes(model)
+        # DeepSpeed's checkpoint is reentrant (no selective contexts); its activation
+        # offload is its own cpu_checkpointing.
+        refuse_plan_activation_choices(plan, self.name, selective=False, offload=False)
         refuse_plan_dims(plan.parallel, self.name,
                          "ZeRO partitions over every rank; for partitions within a node pass "
                          "hpz_partition_size=N (ZeRO++ hpZ), or use engine='fsdp2' or 'fsdp1'")

@@ -41,6 +41,7 @@ from annot.engines.base import (
     WrapRequest,
     is_fp16,
     refuse_nvme_marks,
+    refuse_plan_activation_choices,
     resolve_dtype,
     resolve_torch_offload,
 )
@@ -116,6 +117,7 @@ class FSDP1(Engine[FSDP1Options]):
     def check(self, model: nn.Module, request: WrapRequest, options: FSDP1Options) -> None:
         plan = request.plan
         _refuse_groups(plan)
+        refuse_plan_activation_choices(plan, self.name, selective=True, offload=False)
         _refuse_offload_on_cpu(bool(options.offload), request.device)
         refuse_fsdp1_dtypes(model, plan)
         if options.offload is None:  # the Plan decides what is offloaded

@@ -220,6 +220,7 @@ def trace_step(
     dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
     inputs: InputsFn | None = None,
+    prepare: Callable[[nn.Module], None] | None = None,
 ) -> StepTrace:
     """Trace forward, loss and backward of ``model`` under ``FakeTensorMode`` and count live
     bytes with `annot.memory.counting.LiveBytes`: activations, the transients of
@@ -227,33 +228,18 @@ def trace_step(
     autograd produces them. ``checkpoint`` runs the Plan's checkpointed units under
     torch's non-reentrant checkpoint, as `auto_wrap` does; ``dtype`` casts floating
     parameters (a 16-bit compute copy), ``autocast`` traces under ``torch.autocast``.
-    Only the loss is kept from the output (what a training step holds in backward)."""
-    import copy
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    Only the loss is kept from the output (what a training step holds in backward).
+    ``prepare`` installs the run-time tools on the traced copy instead of the Plan's
+    checkpointing (`annot.memory.budget` traces its per-unit choices so)."""
     from annot.memory.counting import FlopCount, LiveBytes
     from annot.runtime.activation_checkpoint import apply_checkpointing
 
     paths = plan.paths(Action.CHECKPOINT) if plan is not None and checkpoint else []
-    # A copy holding fake parameters itself (not through functional_call, whose swap is
-    # undone before backward recomputes a checkpointed unit); checkpointing swaps
-    # forwards on the copy's instances.
-    model = copy.deepcopy(model)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    fakes: dict[int, nn.Parameter] = {}
-    with fake_mode:
-        for module in model.modules():
-            for name, t in list(module._parameters.items()):
-                if t is not None:
-                    if id(t) not in fakes:  # tied parameters stay one
-                        fakes[id(t)] = nn.Parameter(_fake_like(t, dtype, is_param=False),
-                                                    requires_grad=t.requires_grad)
-                    module._parameters[name] = fakes[id(t)]
-            for name, buf in list(module._buffers.items()):
-                if buf is not None:
-                    module._buffers[name] = _fake_like(buf, dtype, is_param=False)
-    apply_checkpointing(model, paths)
+    model, fake_mode = fake_copy(model, dtype)
+    if prepare is not None:
+        prepare(model)
+    else:
+        apply_checkpointing(model, paths)
     params = dict(model.named_parameters())
     grads: dict[int, int] = {}
     peaks = {"act": 0, "all": 0, "grads": 0}  # grads: the running sum of ``grads``
@@ -328,6 +314,32 @@ def trace_step(
                      peak_with_grads=peaks["all"], grads=peaks["grads"],
                      segments=tuple((ph, u, top, end) for ph, u, top, end in segments),
                      flops=flop_counter.total)
+
+
+def fake_copy(model: nn.Module, dtype: torch.dtype | None) -> tuple[nn.Module, Any]:
+    """A deep copy of ``model`` holding fake CPU parameters and buffers itself (not
+    through functional_call, whose swap is undone before backward recomputes a
+    checkpointed unit; checkpointing swaps forwards on the copy's instances), and the
+    ``FakeTensorMode`` they belong to. ``dtype`` casts floating ones."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = copy.deepcopy(model)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fakes: dict[int, nn.Parameter] = {}
+    with fake_mode:
+        for module in model.modules():
+            for name, t in list(module._parameters.items()):
+                if t is not None:
+                    if id(t) not in fakes:  # tied parameters stay one
+                        fakes[id(t)] = nn.Parameter(_fake_like(t, dtype, is_param=False),
+                                                    requires_grad=t.requires_grad)
+                    module._parameters[name] = fakes[id(t)]
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    module._buffers[name] = _fake_like(buf, dtype, is_param=False)
+    return model, fake_mode
 
 
 @contextlib.contextmanager

@@ -1,0 +1,50 @@
+"""``annot plan MODEL --memory --budget SIZE``: `annot.memory.budget.fit_budget` from the
+command line. Prints the answer (``--json``: the fields of `BudgetAnswer.to_dict`),
+draws it with ``--plot FILE``; exit 3 when nothing fits, with one line naming the
+smallest budget that would."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["run_budget"]
+
+
+def run_budget(args: argparse.Namespace, model: Any, plan: Any, budget: int | None,
+               reserve: int | None) -> int:
+    """Solve ``budget`` (bytes, ``args.budget`` read) for ``model`` under ``plan``; the
+    exit status."""
+    from annot.memory import MARGIN, RESERVE
+    from annot.memory.budget import BudgetError, budget_solver
+    from annot.policies import AnnotError
+
+    try:
+        if budget is None:
+            raise ValueError("--plot draws a budget answer: give --budget SIZE too")
+        solver = budget_solver(
+            model, plan=plan, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=args.seq,
+            precision=args.precision, optimizer=args.optimizer, device=args.device,
+            tflops=args.tflops, hbm_bw=args.hbm_bw, host_bw=args.host_bw,
+            margin=MARGIN if args.margin is None else args.margin,
+            reserve=RESERVE if reserve is None else reserve)
+        answer = solver.fit(budget)
+        if args.plot is not None:
+            from annot.memory.plot import plot_budget
+
+            plot_budget(answer, args.plot)
+    except BudgetError as exc:
+        print(f"annot plan: {exc}", file=sys.stderr)
+        return 3
+    except (AnnotError, ValueError) as exc:
+        print(f"annot plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(answer.to_dict(), indent=2))
+    else:
+        print(answer.table())
+        if args.plot is not None:
+            print(f"picture: {args.plot}")
+    return 0
