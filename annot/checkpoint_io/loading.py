@@ -6,7 +6,10 @@ a torch distributed checkpoint (a directory with ``.metadata``; read when annot
 committed it, a training state, or when asked: ``dcp=True``). Each rank reads only
 the rows of its own shards (positioned reads): an FSDP2 DTensor's rows, or the rows
 covering the flat range an FSDP1 shard or a DeepSpeed ZeRO-3 partition holds. It
-converts the dtype on the way in and loads a tied parameter once. With ``mmap=True`` a
+converts the dtype on the way in and loads a tied parameter once. The reads are planned
+first and then run together (`annot.checkpoint_io.read_queue`: large pieces on a few
+threads, straight into the destination; through staging buffers for a conversion or a
+GPU). With ``mmap=True`` a
 whole tensor's or an FSDP2 shard's rows are mapped from the file instead of read
 (copy-on-write: docs/design.md, pitfall 28).
 """

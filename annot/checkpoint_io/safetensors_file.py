@@ -152,6 +152,8 @@ class RangeWriter:
 
     def write_at(self, offset: int, tensor: torch.Tensor) -> None:
         """Write the bytes of ``tensor`` (contiguous, on the CPU) at ``offset``."""
+        if not tensor.numel():
+            return  # (and sync_file_range of 0 bytes would mean "to the end of the file")
         view = _bytes_of(tensor)
         done = 0
         while done < len(view):  # a write may take less than asked

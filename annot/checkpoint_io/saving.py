@@ -2,7 +2,11 @@
 PEFT model, PEFT's adapter format or the merged base model.
 
 A save is a list of `Entry` (a name, the full shape and dtype, and how to fetch the whole
-tensor). Tensors are fetched one at a time (a DTensor's ``full_tensor()``, or the
+tensor). On several ranks that all see the folder, each rank writes the rows it holds
+straight into the files (`annot.checkpoint_io.shared_save`: no gather, the ranks' writes
+in parallel); what has no plain range per rank (a tensor-parallel column block, an
+engine's flat shard, a PEFT merge) is gathered to rank 0, which writes it. Otherwise
+(one rank, or ranks on separate filesystems) tensors are fetched one at a time (a DTensor's ``full_tensor()``, or the
 engine's gather for a flat-sharded parameter) and rank 0 streams each straight into its
 file on a writer thread, so no rank ever holds more than two full tensors (`IN_FLIGHT`:
 one being written while the next is gathered; FSDP1 also one unit while it gathers). A
@@ -59,8 +63,8 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *,
     ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` shards with
     ``model.safetensors.index.json``; a HuggingFace ``config`` is saved beside them, as
     the user has it. ``dtype`` casts floating tensors on the way out. Every rank must
-    call it (sharded tensors are gathered collectively); rank 0 writes. Returns the files
-    written.
+    call it (collective); every rank writes the rows it holds when all see the folder,
+    else rank 0 writes what is gathered to it. Rank 0 commits. Returns the files written.
 
     A PEFT model needs ``peft``: ``"adapter"`` writes PEFT's own format
     (``adapter_config.json`` and ``adapter_model.safetensors``, what

@@ -11,8 +11,8 @@ of (a tensor-parallel column block, an engine's flat shard, a PEFT merge) is gat
 as before and written by rank 0.
 
 Owner of a range: for a DTensor, the ranks at coordinate 0 of every replicated mesh
-dimension (so HSDP's replicas write once); for a tensor every rank holds whole, one rank
-by the entry's position (round robin, which spreads the writing).
+dimension (so HSDP's replicas write once); for a tensor every rank holds whole, rank 0
+(whose value a save has always written).
 
 It needs every rank to see the folder rank 0 stages into (one filesystem, as a
 checkpoint on shared storage or one node): `shared_folder` checks that with a token
@@ -61,8 +61,7 @@ def shared_folder(staged: Path | None) -> Path | None:
     return folder if all(answers) else None
 
 
-def owned_pieces(entry: Entry, position: int, rank: int,
-                 world: int) -> list[tuple[int, torch.Tensor]] | None:
+def owned_pieces(entry: Entry, rank: int) -> list[tuple[int, torch.Tensor]] | None:
     """What this rank writes of ``entry``: ``(first element, tensor)`` pairs ([] for
     nothing); ``None`` when the entry has no plain range per rank and must be gathered."""
     tensor = entry.source
@@ -70,8 +69,10 @@ def owned_pieces(entry: Entry, position: int, rank: int,
         return None
     if entry.layout is not None and id(tensor) in entry.layout.parts:
         return None  # an engine's flat shard: its ranges are the engine's (gathered)
-    if not isinstance(tensor, DTensor):  # whole on every rank
-        return [(0, tensor.detach())] if position % world == rank else []
+    if not isinstance(tensor, DTensor):
+        # Whole on every rank, and rank 0's is what a save has always written: a buffer
+        # no engine keeps in step (FSDP2's batch-norm statistics) may differ per rank.
+        return [(0, tensor.detach())] if rank == 0 else []
     placements = tensor.placements
 
     if not all(type(p) is Shard or isinstance(p, Replicate) for p in placements):
@@ -97,7 +98,7 @@ def write_shared(staged: Path, names: list[str], shards: list[list[Entry]],
     """Write ``shards`` (entries by file, ``names`` the files) into ``staged``, every rank
     its own pieces (collective; `owned_pieces`), gathering the rest to rank 0. Every rank
     raises if any rank failed."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     error: str | None = None
     try:
         if rank == 0:  # headers and full lengths first: the other ranks open existing files
@@ -106,13 +107,11 @@ def write_shared(staged: Path, names: list[str], shards: list[list[Entry]],
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         error = f"rank 0: {exc!r}"
     _raise_any(error)
-    position = 0
     for name, shard in zip(names, shards, strict=True):
         offsets = SafetensorsWriter.data_offsets([(e.name, e.shape, out_dtype(e)) for e in shard])
         writer = None
         for entry in shard:
-            pieces = owned_pieces(entry, position, rank, world)
-            position += 1
+            pieces = owned_pieces(entry, rank)
             if pieces is None:  # collective: every rank fetches (even after a failure), rank 0 writes
                 fetched = entry.fetch()
                 pieces = [(0, fetched)] if rank == 0 else []
