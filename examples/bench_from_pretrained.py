@@ -1,15 +1,29 @@
-"""Per-rank bytes, time and peak memory loading (or saving) a >= 1B-parameter HuggingFace checkpoint.
+"""Loading and saving a HuggingFace Llama on CPU ranks against the storage floor (issue #32).
 
-    python examples/bench_from_pretrained.py [--dir DIR] [--ranks 2] [--layers 22] [--cold] [--repeat N]
+    python examples/bench_from_pretrained.py [--dir DIR] [--size 12] [--repeat N]
+    python examples/bench_from_pretrained.py --ways ... [--cold] [--ranks 2] [--size 22]
     python examples/bench_from_pretrained.py --save [--dir DIR] [--ranks 2] [--ways ...]
 
-Saves a Llama of about 1.1B parameters (TinyLlama's shape) with random fp32 weights via
-``save_pretrained`` into DIR (a temporary directory unless given; reused when it already
-holds one), then loads it on N CPU ranks (torchrun, gloo), one launch per way:
+Saves a Llama of TinyLlama's width with random fp32 weights via ``save_pretrained`` into
+DIR (a temporary directory unless given; reused when it already holds one): ``--size``
+decoder layers, 12 by default (0.66B parameters, 2.46 GiB), 22 for TinyLlama's 1.1B.
+
+Without ``--ways`` or ``--save`` it prints issue #32's table in one run: on 2 CPU ranks,
+the floor, reading into fresh memory, annot's default and ``mmap=True``, transformers on
+every rank and transformers' own FSDP2, each cold and warm (``--repeat`` rounds, the
+median), with each way's peak RSS per rank above its start against the shard; then
+``annot.save`` against ``safetensors.torch.save_file`` of the same tensors (+ fsync) and
+the write floor, and a check that annot's files hold the source's tensors bitwise.
+
+With ``--ways`` it loads on N CPU ranks (torchrun, gloo), one launch per way, one table
+row per rank:
 
 - ``pread`` (the floor): each rank reads the byte ranges of the rows FSDP2 gives it (dim-0
   chunks, as ``torch.chunk``) with ``os.preadv`` into one preallocated, reused buffer:
   the same bytes as annot reads, with nothing else done;
+- ``pread_fresh``: the same reads, each into new memory of its own (``torch.empty`` per
+  tensor), as any loader whose weights live in the process's own memory must: the
+  floor plus the first touch of that memory;
 - ``bound``: the least any FSDP2-sharded mapped load does: the model built on the meta
   device (nothing recorded), ``fully_shard`` on every layer and the root, then each
   rank's rows of every tensor mapped from the file (``torch.from_file``, private) and put in
@@ -31,7 +45,9 @@ holds one), then loads it on N CPU ranks (torchrun, gloo), one launch per way:
   (``broadcast_from_rank0``) scatters rank 0's tensors (the usual recipe).
 
 With ``--cold`` the files are dropped from the page cache before every launch
-(``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file, not a system-wide drop); otherwise
+(``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file, not a system-wide drop: the
+machine is shared; the share of the files' pages still resident after it, from
+``mincore``, is printed); otherwise
 one untimed read warms the cache first. ``--repeat N`` runs N rounds, each way once per
 round, and shows each way's median time and its fastest and slowest launch (the
 machine's timings drift between launches). After loading, each rank reads one byte of every
@@ -92,9 +108,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-WAYS = ("pread", "bound", "annot", "annot_mmap", "annot_fsdp1", "annot_zero3", "transformers",
+WAYS = ("pread", "pread_fresh", "bound", "annot", "annot_mmap", "annot_fsdp1", "annot_zero3", "transformers",
         "transformers_fsdp", "rank0")
 LABELS = {"pread": "floor: pread of the rank's rows",
+          "pread_fresh": "pread into fresh memory",
           "bound": "least sharded map: meta, fully_shard, map",
           "annot": "annot.from_pretrained fsdp2",
           "annot_mmap": "annot.from_pretrained fsdp2, mmap=True",
@@ -166,8 +183,8 @@ def worker(way: str, directory: str) -> None:
     dist.barrier()
     base_rss, base_read, start = _rss_bytes(), _io(), time.perf_counter()
     loaded_bytes = None
-    if way == "pread":
-        _pread_rows(Path(directory), rank, dist.get_world_size())
+    if way in ("pread", "pread_fresh"):
+        _pread_rows(Path(directory), rank, dist.get_world_size(), fresh=way == "pread_fresh")
         _finish(rank, base_rss, base_read, start, None)
         return
     if way == "bound":
@@ -316,8 +333,11 @@ def _rank_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
     return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
 
 
-def _pread_rows(directory: Path, rank: int, world: int) -> None:
-    """Read this rank's dim-0 rows of every tensor into one reused buffer."""
+def _pread_rows(directory: Path, rank: int, world: int, fresh: bool = False) -> None:
+    """Read this rank's dim-0 rows of every tensor into one reused buffer (``fresh``: into
+    a new buffer per tensor, all kept)."""
+    import torch
+
     ranges = []
     for file, length, header in _headers(directory):
         for entry in header.values():
@@ -329,9 +349,13 @@ def _pread_rows(directory: Path, rank: int, world: int) -> None:
                 ranges.append((file, 8 + length + begin + first * row_bytes, (last - first) * row_bytes))
     buffer = bytearray(max(n for _, _, n in ranges))
     view = memoryview(buffer)
+    kept = []
     fds = {file: os.open(file, os.O_RDONLY) for file, _, _ in ranges}
     try:
         for file, offset, n in ranges:
+            if fresh:
+                kept.append(torch.empty(n, dtype=torch.uint8))
+                view = kept[-1].numpy().data.cast("B")
             done = 0
             while done < n:
                 done += os.preadv(fds[file], [view[done:n]], offset + done)
@@ -523,6 +547,115 @@ def load_table(args: argparse.Namespace, directory: Path, ways: list[str]) -> No
         print("peak RSS and above start: the largest of the launches")
 
 
+ISSUE_WAYS = ("pread", "pread_fresh", "annot", "annot_mmap", "transformers", "transformers_fsdp")
+ISSUE_SAVE_WAYS = ("write", "safetensors_whole", "annot")
+
+
+def resident_share(files: list[Path]) -> float:
+    """The share of ``files``' pages in the page cache now (``mincore`` of a map of each)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    resident = total = 0
+    for file in files:
+        size = file.stat().st_size
+        with open(file, "rb") as f:  # private and writable only so ctypes can take its address
+            region = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        pages = -(-size // mmap.PAGESIZE)
+        vector = (ctypes.c_ubyte * pages)()
+        start = ctypes.c_char.from_buffer(region)
+        failed = libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(size), vector)
+        del start
+        region.close()
+        if failed:
+            return float("nan")
+        resident += sum(v & 1 for v in vector)
+        total += pages
+    return resident / total if total else 0.0
+
+
+def issue_table(args: argparse.Namespace, directory: Path, file_bytes: int) -> None:
+    """Issue #32's table: every load way cold and warm (``--repeat`` rounds, medians),
+    then the save ways; one launch per way and state."""
+    files = sorted(directory.glob("*.safetensors"))
+    shard = file_bytes / args.ranks
+    times: dict[tuple[str, str], list[float]] = {}
+    above: dict[str, int] = {}
+    writes: dict[str, list[float]] = {}
+    residents = []
+    for _ in range(args.repeat):
+        for state in ("cold", "warm"):
+            for way in ISSUE_WAYS:
+                if state == "cold":
+                    drop_from_page_cache(files)
+                    residents.append(resident_share(files))
+                else:
+                    for file in files:  # every warm way finds the files in the page cache
+                        with open(file, "rb") as f:
+                            while f.read(2**26):
+                                pass
+                rows = launch(way, directory, args.ranks, args.timeout)
+                times.setdefault((way, state), []).append(max(r["seconds"] for r in rows))
+                if state == "warm" and rows[0]["first_write"] is not None:
+                    writes.setdefault(way, []).append(max(r["first_write"] for r in rows))
+                above[way] = max(above.get(way, 0), *(r["above"] for r in rows))
+    median = {key: statistics.median(v) for key, v in times.items()}
+    print(f"\nLoad, {args.ranks} CPU ranks, slowest rank's time, median of {args.repeat}; "
+          f"cold: posix_fadvise(DONTNEED) per file, {100 * max(residents):.1f}% of the pages "
+          f"still resident after it at most; shard {gib(shard)} per rank")
+    rows = []
+    for way in ISSUE_WAYS:
+        cells = [LABELS[way]]
+        for state in ("cold", "warm"):
+            seconds = median[(way, state)]
+            cells.append(f"{seconds:.2f} s ({seconds / median[('pread', state)]:.1f}x)")
+        cells += [gib(above[way]), f"{above[way] / shard:.2f}",
+                  f"{statistics.median(writes[way]):.2f} s" if way in writes else "-"]
+        rows.append(tuple(cells))
+    print_table(("way", "cold (x floor)", "warm (x floor)", "peak RSS above start / rank",
+                 "/ shard", "first write"), rows)
+    print("first write: every tensor a rank holds written once after the load (warm, not in "
+          "its time), as a first optimizer step does: where a mapped weight is copied")
+    save_rows = []
+    for way in ISSUE_SAVE_WAYS:
+        out = Path(tempfile.mkdtemp(prefix="annot-bench-save-", dir=directory.parent))
+        try:
+            results = launch(way, directory, args.ranks, args.timeout, out=out)
+            if way == "annot":
+                same = same_tensors(directory, out)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        save_rows.append((SAVE_LABELS[way], f"{max(r['seconds'] for r in results):.2f} s"))
+    base = float(save_rows[1][1].split()[0])
+    save_rows = [(label, f"{t} ({float(t.split()[0]) / base:.2f}x save_file)") for label, t in save_rows]
+    print(f"\nSave, {args.ranks} CPU ranks, every file fsynced; slowest rank")
+    print_table(("way", "time"), save_rows)
+    print(f"annot.save's files hold the source's tensors bitwise: {same}")
+
+
+def same_tensors(source: Path, saved: Path) -> bool:
+    """Whether the safetensors of ``saved`` hold exactly ``source``'s tensors (names,
+    dtypes, shapes, bytes), read one tensor at a time with the safetensors library."""
+    import torch
+    from safetensors import safe_open
+
+    def tensors(directory: Path) -> dict[str, Path]:
+        return {key: file for file in directory.glob("*.safetensors")
+                for key in safe_open(str(file), "pt").keys()}
+
+    left, right = tensors(source), tensors(saved)
+    if set(left) != set(right):
+        return False
+    for key, file in left.items():
+        with safe_open(str(file), "pt") as a, safe_open(str(right[key]), "pt") as b:
+            x, y = a.get_tensor(key), b.get_tensor(key)
+            if x.dtype != y.dtype or not torch.equal(x, y):
+                return False
+    return True
+
+
 def save_table(args: argparse.Namespace, directory: Path, ways: list[str], file_bytes: int) -> None:
     rows = []
     floor: dict[int, float] = {}
@@ -548,7 +681,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, help="checkpoint directory (made if absent)")
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=22, help="22 gives 1.10B parameters")
+    parser.add_argument("--size", type=int, default=12,
+                        help="decoder layers: 12 gives 2.46 GiB (the issue's model), 22 1.10B parameters")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch")
     parser.add_argument("--cold", action="store_true",
                         help="drop the files from the page cache before every launch")
@@ -574,13 +708,15 @@ def main() -> None:
         parser.error("--repeat takes a number >= 1, and applies to loads only")
     known = SAVE_WAYS if args.save else WAYS
     ways = args.ways.split(",") if args.ways else list(known)
+    if args.cold and not args.ways:
+        parser.error("--cold applies to --ways; the default table runs cold and warm")
     if unknown := [w for w in ways if w not in known]:
         parser.error(f"unknown ways {unknown}; choose from {', '.join(known)}")
 
     temporary = args.dir is None
     directory = args.dir or Path(tempfile.mkdtemp(prefix="annot-bench-"))
     try:
-        params = save_checkpoint(directory, args.layers)
+        params = save_checkpoint(directory, args.size)
         file_bytes = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
         print(f"Llama, {params / 1e9:.2f}B parameters, fp32 safetensors {gib(file_bytes)} "
               f"in {directory}; {args.ranks} CPU ranks (gloo); ideal shard "
@@ -588,8 +724,10 @@ def main() -> None:
               f"(THP_MEM_ALLOC_ENABLE) {'on' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else 'off'}")
         if args.save:
             save_table(args, directory, ways, file_bytes)
-        else:
+        elif args.ways:
             load_table(args, directory, ways)
+        else:
+            issue_table(args, directory, file_bytes)
     finally:
         if temporary:
             shutil.rmtree(directory, ignore_errors=True)

@@ -24,10 +24,15 @@ class Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     fetch: Callable[[], torch.Tensor]
+    #: The model's tensor and where the engine keeps it, when the entry is one (not a
+    #: PEFT merge): a save where ranks write their own ranges reads them.
+    source: torch.Tensor | None = None
+    layout: ShardLayout | None = None
 
 
 def entry(name: str, tensor: torch.Tensor, layout: ShardLayout) -> Entry:
-    return Entry(name, full_shape(tensor, layout), tensor.dtype, lambda: full_tensor(tensor, layout))
+    return Entry(name, full_shape(tensor, layout), tensor.dtype, lambda: full_tensor(tensor, layout),
+                 tensor, layout)
 
 
 def full_shape(tensor: torch.Tensor, layout: ShardLayout) -> tuple[int, ...]:

@@ -6,7 +6,10 @@ a torch distributed checkpoint (a directory with ``.metadata``; read when annot
 committed it, a training state, or when asked: ``dcp=True``). Each rank reads only
 the rows of its own shards (positioned reads): an FSDP2 DTensor's rows, or the rows
 covering the flat range an FSDP1 shard or a DeepSpeed ZeRO-3 partition holds. It
-converts the dtype on the way in and loads a tied parameter once. With ``mmap=True`` a
+converts the dtype on the way in and loads a tied parameter once. The reads are planned
+first and then run together (`annot.checkpoint_io.read_queue`: large pieces on a few
+threads, straight into the destination; through staging buffers for a conversion or a
+GPU). With ``mmap=True`` a
 whole tensor's or an FSDP2 shard's rows are mapped from the file instead of read
 (copy-on-write: docs/design.md, pitfall 28).
 """
@@ -29,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from annot._progress import Progress
 from annot.checkpoint_io import commit
+from annot.checkpoint_io.read_queue import ReadQueue
 from annot.checkpoint_io.safetensors_file import SafetensorsFile
 from annot.errors import CheckpointError
 from annot.huggingface.keys import checkpoint_renamer, peft_renamer
@@ -369,6 +373,10 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]], match: _Ma
     loaded = read = 0
     items = _provided_by_file(groups, match, skip)
     total = sum(len(group_items) for group_items in items.values())
+    # Every read is planned first and then done at once, in large pieces on a few
+    # threads (`ReadQueue`): one thread per rank did not reach the disk's bandwidth cold
+    # (issue #32).
+    queue = ReadQueue()
     with torch.no_grad(), Progress("loading", total) as progress:
         for file, group_items in items.items():
             handle = match.files[file]
@@ -376,12 +384,13 @@ def _fill_from_safetensors(model: nn.Module, groups: list[list[str]], match: _Ma
                 target = names[group[0]]
                 target_parts = parts.get(id(target))
                 if target_parts is not None:  # tied names share the parameter and its parts
-                    read += _fill_flat_parts(handle, source, target_parts)
+                    read += _fill_flat_parts(handle, source, target_parts, queue)
                 else:
                     read += _fill_tensor(handle, source, [local(names[name]) for name in group],
-                                         _block(target))
+                                         _block(target), queue)
                 loaded += 1
                 progress.advance()
+        queue.run()
     return loaded, read
 
 
@@ -496,10 +505,26 @@ def _direct(handle: SafetensorsFile, source: str, destination: torch.Tensor) -> 
             and destination.device.type == "cpu")
 
 
+def _queue_range(queue: ReadQueue, handle: SafetensorsFile, source: str,
+                 destination: torch.Tensor, first: int) -> int | None:
+    """Queue filling ``destination`` with the elements of ``source`` from flat index
+    ``first`` on: straight into it (`_direct`), or through the staging buffers (another
+    dtype, another device). ``None`` when neither applies (a non-contiguous destination);
+    else the bytes queued."""
+    label = f"{handle.path}: {source}"
+    offset = handle.offset_of(source, first, destination.numel())
+    if _direct(handle, source, destination):
+        return queue.direct(handle.path, label, offset, destination)
+    if destination.is_contiguous():
+        return queue.staged(handle.path, label, offset, destination, handle.dtype(source))
+    return None
+
+
 def _fill_tensor(handle: SafetensorsFile, source: str, targets: list[torch.Tensor],
-                 block: Block | None) -> int:
+                 block: Block | None, queue: ReadQueue) -> int:
     """Fill ``targets`` (one tensor, or tied names' distinct copies) with ``block`` of
-    ``source`` (all of it when ``None``); returns the bytes read."""
+    ``source`` (all of it when ``None``): queued on ``queue`` where the bytes form one
+    range, else read now. Returns the bytes read or queued."""
     first = targets[0]
     if not first.numel():
         return 0
@@ -508,32 +533,43 @@ def _fill_tensor(handle: SafetensorsFile, source: str, targets: list[torch.Tenso
     if block is not None and full_shape and not block.rows_only(full_shape):
         # Columns too (a row-wise tensor-parallel shard): only the block's bytes are read.
         value = handle.read_block(source, block.start, block.shape)
-        read = value.numel() * value.element_size()
-        first.copy_(value)
-    elif _direct(handle, source, first):
-        start = rows[0] if rows is not None else 0
-        read = handle.read_into(source, first, start * math.prod(full_shape[1:]))
-        value = first
-    else:  # another dtype (converted here) or a layout that needs a copy
-        value = handle.read(source, *rows) if rows is not None else handle.read(source)
-        read = value.numel() * value.element_size()
-        first.copy_(value)
-    for other in targets[1:]:  # tied names may be distinct objects (to_empty)
-        if other is not first and other.numel():
-            other.copy_(value)
+        for target in _distinct(targets):
+            target.copy_(value)
+        return value.numel() * value.element_size()
+    start = (rows[0] if rows is not None else 0) * math.prod(full_shape[1:])
+    read = 0
+    for target in _distinct(targets):  # tied names may be distinct objects (to_empty): each read
+        queued = _queue_range(queue, handle, source, target, start)
+        if queued is None:  # a layout that needs a copy
+            value = handle.read(source, *rows) if rows is not None else handle.read(source)
+            target.copy_(value)
+            queued = value.numel() * value.element_size()
+        read += queued
     return read
 
 
-def _fill_flat_parts(handle: SafetensorsFile, source: str, parts: list[FlatPart]) -> int:
-    """Read the elements each flat part of ``source`` holds into it (the exact byte range
-    when the dtypes agree, else the rows covering it); returns bytes read."""
+def _distinct(targets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``targets`` with storage, each object once."""
+    out: list[torch.Tensor] = []
+    for target in targets:
+        if target.numel() and not any(target is seen for seen in out):
+            out.append(target)
+    return out
+
+
+def _fill_flat_parts(handle: SafetensorsFile, source: str, parts: list[FlatPart],
+                     queue: ReadQueue) -> int:
+    """Queue reading the elements each flat part of ``source`` holds into it (the exact
+    byte range; converted through the staging buffers when the dtypes differ); returns
+    the bytes queued or read."""
     read = 0
     for part in parts:
         if part.stop <= part.start:
             continue
         destination = part.destination[:part.stop - part.start]
-        if _direct(handle, source, destination):
-            read += handle.read_into(source, destination, part.start)
+        queued = _queue_range(queue, handle, source, destination, part.start)
+        if queued is not None:
+            read += queued
             continue
         per_row = math.prod(part.full_shape[1:])
         if part.full_shape:

@@ -25,7 +25,8 @@ import torch
 
 from annot.errors import CheckpointError
 
-__all__ = ["DTYPES", "DTYPE_NAMES", "SafetensorsFile", "SafetensorsWriter", "TensorEntry", "parse_header"]
+__all__ = ["DTYPES", "DTYPE_NAMES", "RangeWriter", "SafetensorsFile", "SafetensorsWriter", "TensorEntry",
+           "parse_header"]
 
 MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
 
@@ -50,29 +51,38 @@ class SafetensorsWriter:
 
     def __init__(self, path: Path, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
                  metadata: dict[str, str] | None = None) -> None:
-        header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
         self.path = path
-        self.order: list[str] = []
-        self.sizes: dict[str, int] = {}
-        offset = 0
-        for name, shape, dtype in entries:
-            if dtype not in DTYPE_NAMES:
-                raise TypeError(f"safetensors cannot store {name} of dtype {dtype}")
-            size = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + size]}
-            self.order.append(name)
-            self.sizes[name] = size
-            offset += size
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
+        raw, self.sizes, _ = _header(entries, metadata)
+        self.order = list(self.sizes)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         self.offset = self.next = 0
         try:
-            self._put(memoryview(struct.pack("<Q", len(raw)) + raw))
+            self._put(memoryview(raw))
         except BaseException:
             self.abort()
             raise
+
+    @staticmethod
+    def data_offsets(entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+                     metadata: dict[str, str] | None = None) -> dict[str, int]:
+        """Where each entry's bytes start in the file the same arguments write."""
+        return _header(entries, metadata)[2]
+
+    @staticmethod
+    def create_empty(path: Path, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+                     metadata: dict[str, str] | None = None) -> None:
+        """Write the header of ``entries`` to ``path`` and give the file its full length
+        (zeros, not stored where the filesystem allows): ranks then fill their ranges
+        with `RangeWriter`."""
+        raw, sizes, _ = _header(entries, metadata)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            done = 0
+            while done < len(raw):
+                done += os.pwrite(fd, raw[done:], done)
+            os.ftruncate(fd, len(raw) + sum(sizes.values()))
+        finally:
+            os.close(fd)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected = self.order[self.next]
@@ -107,6 +117,54 @@ class SafetensorsWriter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _header(entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+            metadata: dict[str, str] | None) -> tuple[bytes, dict[str, int], dict[str, int]]:
+    """The 8-byte length and JSON header of a file of ``entries`` (in order), each
+    entry's byte size, and where its bytes start in the file."""
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    sizes: dict[str, int] = {}
+    begins: dict[str, int] = {}
+    offset = 0
+    for name, shape, dtype in entries:
+        if dtype not in DTYPE_NAMES:
+            raise TypeError(f"safetensors cannot store {name} of dtype {dtype}")
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        sizes[name] = size
+        begins[name] = offset
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
+    start = 8 + len(raw)
+    return struct.pack("<Q", len(raw)) + raw, sizes, {n: start + b for n, b in begins.items()}
+
+
+class RangeWriter:
+    """Positioned writes into a file `SafetensorsWriter.create_empty` made (one rank's
+    ranges of a save every rank writes into); `close()` fsyncs what was written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY)
+
+    def write_at(self, offset: int, tensor: torch.Tensor) -> None:
+        """Write the bytes of ``tensor`` (contiguous, on the CPU) at ``offset``."""
+        if not tensor.numel():
+            return  # (and sync_file_range of 0 bytes would mean "to the end of the file")
+        view = _bytes_of(tensor)
+        done = 0
+        while done < len(view):  # a write may take less than asked
+            done += os.pwrite(self.fd, view[done:], offset + done)
+        _start_writeback(self.fd, offset, len(view))
+
+    def close(self) -> None:
+        try:
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,10 +240,6 @@ def parse_header(raw: bytes, data_size: int) -> dict[str, TensorEntry]:
     return entries
 
 
-_HUGE = 2 * 2**20  # a transparent huge page on x86-64 and arm64 Linux
-_MADV_HUGEPAGE = 14
-
-
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
@@ -213,18 +267,6 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, as a writable view of its own memory."""
     return tensor.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")
-
-
-def _huge_pages(address: int, nbytes: int) -> None:
-    """Ask Linux to back the not-yet-touched memory a read is about to fill with huge
-    pages: the read then takes one page fault per 2 MiB instead of 512, which measured
-    here cut the time to read a 1.1 GiB checkpoint into fresh tensors by about a third.
-    Advice only: where it is not available nothing changes."""
-    start = -(-address // _HUGE) * _HUGE
-    end = (address + nbytes) // _HUGE * _HUGE
-    libc = _libc()
-    if libc is not None and end - start >= _HUGE:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
 
 
 class SafetensorsFile:
@@ -269,6 +311,15 @@ class SafetensorsFile:
     def dtype(self, name: str) -> torch.dtype:
         return self.entries[name].dtype
 
+    def offset_of(self, name: str, first: int = 0, count: int = 0) -> int:
+        """Where in the file element ``first`` (flat index) of ``name`` is; ``ValueError``
+        when elements ``first..first + count`` are not all inside the tensor."""
+        entry = self.entries[name]
+        itemsize = entry.dtype.itemsize
+        if first < 0 or count < 0 or entry.begin + (first + count) * itemsize > entry.end:
+            raise ValueError(f"{self.path}: {name}: elements {first}..{first + count} are past its end")
+        return self.data_start + entry.begin + first * itemsize
+
     def read_into(self, name: str, out: torch.Tensor, first: int = 0) -> int:
         """Fill ``out`` (a contiguous CPU tensor of the file's dtype) with the elements of
         ``name`` from flat index ``first`` on, straight from the file: no intermediate
@@ -283,7 +334,6 @@ class SafetensorsFile:
         if not out.numel():
             return 0
         view = _bytes_of(out)
-        _huge_pages(out.data_ptr(), len(view))
         self._pread(name, self.data_start + begin, view)
         return len(view)
 

@@ -2,7 +2,11 @@
 PEFT model, PEFT's adapter format or the merged base model.
 
 A save is a list of `Entry` (a name, the full shape and dtype, and how to fetch the whole
-tensor). Tensors are fetched one at a time (a DTensor's ``full_tensor()``, or the
+tensor). On several ranks that all see the folder, each rank writes the rows it holds
+straight into the files (`annot.checkpoint_io.shared_save`: no gather, the ranks' writes
+in parallel); what has no plain range per rank (a tensor-parallel column block, an
+engine's flat shard, a PEFT merge) is gathered to rank 0, which writes it. Otherwise
+(one rank, or ranks on separate filesystems) tensors are fetched one at a time (a DTensor's ``full_tensor()``, or the
 engine's gather for a flat-sharded parameter) and rank 0 streams each straight into its
 file on a writer thread, so no rank ever holds more than two full tensors (`IN_FLIGHT`:
 one being written while the next is gathered; FSDP1 also one unit while it gathers). A
@@ -36,6 +40,7 @@ from annot.checkpoint_io.entries import entry as model_entry
 from annot.checkpoint_io.loading import INDEX, SINGLE, state_names
 from annot.checkpoint_io.peft_export import adapter_entries, merged_entries
 from annot.checkpoint_io.safetensors_file import SafetensorsWriter
+from annot.checkpoint_io.shared_save import shared_folder, write_shared
 from annot.checkpoint_io.weights_commit import commit_weights, fsync_path, staging, weight_files
 from annot.errors import CheckpointError
 from annot.huggingface.model import is_peft_model
@@ -58,8 +63,8 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *,
     ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` shards with
     ``model.safetensors.index.json``; a HuggingFace ``config`` is saved beside them, as
     the user has it. ``dtype`` casts floating tensors on the way out. Every rank must
-    call it (sharded tensors are gathered collectively); rank 0 writes. Returns the files
-    written.
+    call it (collective); every rank writes the rows it holds when all see the folder,
+    else rank 0 writes what is gathered to it. Rank 0 commits. Returns the files written.
 
     A PEFT model needs ``peft``: ``"adapter"`` writes PEFT's own format
     (``adapter_config.json`` and ``adapter_model.safetensors``, what
@@ -133,33 +138,23 @@ def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], t
     being written, so no rank holds more than `IN_FLIGHT` whole tensors at once (plus,
     while one is cast to ``out_dtype``, its converted copy). A file is closed (and
     fsynced) on the writer thread too, behind the next file's gathers."""
-    rank = rank_and_world()[0]
+    rank, world = rank_and_world()
     shards = _split(entries, max_shard_bytes, out_dtype)
     names = [single if len(shards) == 1 else _shard_name(i, len(shards)) for i in range(len(shards))]
     created = not directory.exists()
     staged = staging(directory) if rank == 0 else None
-    pool = ThreadPoolExecutor(1, thread_name_prefix="annot-save") if staged is not None else None
+    pool: ThreadPoolExecutor | None = None
     pending: deque[Future[None]] = deque()  # tensor writes not yet done
     closing: list[Future[None]] = []
     writers: list[SafetensorsWriter] = []
     try:
-        with Progress("saving", len(entries)) as progress:
-            for name, shard in zip(names, shards, strict=True):
-                writer = None
-                if staged is not None:
-                    writer = SafetensorsWriter(staged / name, [(e.name, e.shape, out_dtype(e)) for e in shard])
-                    writers.append(writer)
-                for entry in shard:
-                    while len(pending) >= IN_FLIGHT:  # the gather below makes one more
-                        pending.popleft().result()
-                    full = [entry.fetch()]  # collective for sharded tensors: every rank calls
-                    if writer is not None and pool is not None:
-                        pending.append(pool.submit(_cast_and_write, writer, entry.name, full,
-                                                   out_dtype(entry)))
-                    del full  # now only the writer thread holds it
-                    progress.advance()
-                if writer is not None and pool is not None:
-                    closing.append(pool.submit(writer.close))
+        # Several ranks on one filesystem: each writes its own rows, no gather (issue #32).
+        shared = shared_folder(staged) if world > 1 else None
+        if shared is not None:
+            write_shared(shared, names, shards, out_dtype)
+        else:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="annot-save") if staged is not None else None
+            _write_gathered(staged, names, shards, out_dtype, pool, pending, closing, writers)
         for future in [*pending, *closing]:
             future.result()
         if staged is not None:
@@ -183,6 +178,31 @@ def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], t
             pool.shutdown(wait=True)
     barrier()
     return [directory / name for name in names]
+
+
+def _write_gathered(staged: Path | None, names: list[str], shards: list[list[Entry]],
+                    out_dtype: Callable[[Entry], torch.dtype], pool: ThreadPoolExecutor | None,
+                    pending: deque[Future[None]], closing: list[Future[None]],
+                    writers: list[SafetensorsWriter]) -> None:
+    """Every rank gathers each tensor in turn; rank 0 (``staged`` given) queues its write
+    on ``pool`` (see `_write`)."""
+    with Progress("saving", sum(len(shard) for shard in shards)) as progress:
+        for name, shard in zip(names, shards, strict=True):
+            writer = None
+            if staged is not None:
+                writer = SafetensorsWriter(staged / name, [(e.name, e.shape, out_dtype(e)) for e in shard])
+                writers.append(writer)
+            for entry in shard:
+                while len(pending) >= IN_FLIGHT:  # the gather below makes one more
+                    pending.popleft().result()
+                full = [entry.fetch()]  # collective for sharded tensors: every rank calls
+                if writer is not None and pool is not None:
+                    pending.append(pool.submit(_cast_and_write, writer, entry.name, full,
+                                               out_dtype(entry)))
+                del full  # now only the writer thread holds it
+                progress.advance()
+            if writer is not None and pool is not None:
+                closing.append(pool.submit(writer.close))
 
 
 def _cast_and_write(writer: SafetensorsWriter, name: str, box: list[torch.Tensor],

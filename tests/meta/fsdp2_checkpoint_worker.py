@@ -37,7 +37,9 @@ def run(source: str, out: str) -> list[dict]:
     mesh = init_device_mesh("cpu", (world,))
     model = sharded_meta_gpt(mesh)
     report = annot.load(model, source)
+    before = _bytes_written()
     annot.save(model, Path(out) / "saved", max_shard_bytes=100_000)
+    written = _bytes_written() - before
     dcp.save(model.state_dict(), checkpoint_id=str(Path(out) / "dcp"))
     other = sharded_meta_gpt(mesh)
     annot.load(other, Path(out) / "dcp", dcp=True)
@@ -45,8 +47,15 @@ def run(source: str, out: str) -> list[dict]:
                for a, b in zip(model.parameters(), other.parameters(), strict=True))
     results = [None] * world
     dist.all_gather_object(results, {"rank": rank, "bytes_read": report.bytes_read, "dcp_same": same,
-                                     "tied": model.lm_head.weight is model.transformer.wte.weight})
+                                     "tied": model.lm_head.weight is model.transformer.wte.weight,
+                                     "bytes_written": written})
     return results
+
+
+def _bytes_written() -> int:
+    """Bytes this process passed to write calls so far (``wchar`` of ``/proc/self/io``)."""
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("wchar:"))
 
 
 if __name__ == "__main__":

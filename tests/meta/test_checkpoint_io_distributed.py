@@ -31,6 +31,10 @@ def test_each_rank_reads_its_half_and_saving_from_shards_gives_the_same_files(tm
         assert 0.45 * total <= r["bytes_read"] <= 0.55 * total, (r, total)
         assert r["dcp_same"] and r["tied"]
     assert sum(r["bytes_read"] for r in results) == total
+    # Each rank wrote its own rows into the save's files (no gather to one writer): about
+    # half of the tensors' bytes each, beside the headers, index and config.
+    for r in results:
+        assert 0.45 * total <= r["bytes_written"] <= 0.55 * total + 50_000, (r, total)
     single = sorted((tmp_path / "single").iterdir())
     saved = sorted((tmp_path / "saved").iterdir())
     assert [p.name for p in single] == [p.name for p in saved]
