@@ -7,7 +7,12 @@ defaults, peak allocated memory per GPU in MiB.
 
 The DeepSpeed rows are predicted from the config Lightning 1.3 wrote (`LIGHTNING_13`)
 given as ``estimate_memory(..., deepspeed_config=...)``; DDP from the planner's DDP row at
-``fp16-mixed`` (DDP under ``torch.autocast``). Nothing is allocated: the model is built on
+``fp16-mixed`` (DDP under ``torch.autocast``) without bucket views (Lightning 1.3 left
+torch's default). Adam steps without a states-sized temporary (``adam-for-loop``: torch
+1.8's Adam, DeepSpeed's FusedAdam and CPUAdam). Source of the published figures:
+github.com/SeanNaren/minGPT, branch ``stage3``, README ("Smaller Model Comparison").
+docs/guides/memory.md says what DeepSpeed 0.3.12, which the benchmark ran, did
+otherwise, and what stays unexplained. Nothing is allocated: the model is built on
 the meta device and traced under fake tensors. Published peaks are
 ``torch.cuda.max_memory_allocated`` (the benchmark's CUDA callback), so they are compared
 with the counted peak, without the planner's margin and reserve.

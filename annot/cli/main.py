@@ -79,8 +79,10 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
                         choices=("fp32", "amp", "bf16-mixed", "fp16-mixed", "bf16"),
                         help="fp32; amp (fp32 states, torch.autocast); 16-bit mixed with fp32 "
                              "master weights; or pure bf16 (default: bf16-mixed)")
-    memory.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd-momentum", "sgd"),
-                        help="default: adamw")
+    memory.add_argument("--optimizer", default="adamw",
+                        choices=("adamw", "adam", "adamw-for-loop", "adam-for-loop", "sgd-momentum", "sgd"),
+                        help="default: adamw (torch's foreach step); *-for-loop: no states-sized "
+                             "step temporary (foreach=False, DeepSpeed's FusedAdam/CPUAdam)")
     memory.add_argument("--gpu", metavar="KIND", choices=("H100", "H200", "A100", "A100-40GB"),
                         help="GPU kind (H100, H200, A100, A100-40GB): its memory and reserve "
                              "(default: the visible GPU, else H100)")

@@ -163,10 +163,12 @@ def fast_trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int
     if segments is None:
         return trace_step(model, plan, **kwargs)
     two, three = traces
+    # The peak without gradients is the highest stretch; a total with the gradients is
+    # at least that.
+    peak = max(top for _, _, top, _ in segments)
     return StepTrace(
-        batch=batch, seq=seq, checkpoint=three.checkpoint,
-        peak=_linear(two.peak, three.peak, stack.count),
-        peak_with_grads=_linear(two.peak_with_grads, three.peak_with_grads, stack.count),
+        batch=batch, seq=seq, checkpoint=three.checkpoint, peak=peak,
+        peak_with_grads=max(peak, _linear(two.peak_with_grads, three.peak_with_grads, stack.count)),
         grads=_linear(two.grads, three.grads, stack.count), segments=segments,
         flops=_linear(two.flops, three.flops, stack.count))
 
