@@ -220,13 +220,15 @@ def trace_step(
     dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
     inputs: InputsFn | None = None,
+    gpu_rules: bool = False,
 ) -> StepTrace:
     """Trace forward, loss and backward of ``model`` under ``FakeTensorMode`` and count live
     bytes with `annot.memory.counting.LiveBytes`: activations, the transients of
     backward (gradients of activations, the loss's), and the parameters' gradients as
     autograd produces them. ``checkpoint`` runs the Plan's checkpointed units under
     torch's non-reentrant checkpoint, as `auto_wrap` does; ``dtype`` casts floating
-    parameters (a 16-bit compute copy), ``autocast`` traces under ``torch.autocast``.
+    parameters (a 16-bit compute copy), ``autocast`` traces under ``torch.autocast``, or
+    with ``gpu_rules`` under CUDA autocast's op lists (`annot.memory.gpu_autocast`).
     Only the loss is kept from the output (what a training step holds in backward)."""
     import copy
 
@@ -312,7 +314,7 @@ def trace_step(
             args, kwargs = (inputs or default_inputs)(model, batch, seq)
             if paths:  # as auto_wrap runs a checkpointed transformers model (pitfall 14)
                 kwargs = training_forward_kwargs(model, args, kwargs)
-            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            with _autocast(autocast, gpu_rules):
                 out = model(*args, **kwargs)
                 loss = _loss_of(out)
             del out
@@ -328,6 +330,15 @@ def trace_step(
                      peak_with_grads=peaks["all"], grads=peaks["grads"],
                      segments=tuple((ph, u, top, end) for ph, u, top, end in segments),
                      flops=flop_counter.total)
+
+
+def _autocast(dtype: torch.dtype | None, gpu_rules: bool) -> contextlib.AbstractContextManager[Any]:
+    """The autocast region of a traced step: none, CPU autocast, or CUDA's rules."""
+    if dtype is not None and gpu_rules:
+        from annot.memory.gpu_autocast import CudaAutocast
+
+        return CudaAutocast(dtype)
+    return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
 
 
 @contextlib.contextmanager

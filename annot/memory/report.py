@@ -506,9 +506,10 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
         dtype, autocast = _trace_setting(s, precision_of(s))
         for checkpoint in (False, can_checkpoint):
             if (dtype, autocast, checkpoint) not in traces:
+                # The target is a GPU: autocast casts by CUDA's op lists.
                 traces[(dtype, autocast, checkpoint)] = fast_trace_step(
                     model, plan, batch=batch, seq=seq, checkpoint=checkpoint, dtype=dtype,
-                    autocast=autocast, inputs=inputs)
+                    autocast=autocast, inputs=inputs, gpu_rules=True)
     rows = []
     for s in chosen:
         setting = _trace_setting(s, precision_of(s))

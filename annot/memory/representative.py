@@ -142,11 +142,11 @@ def fast_trace_activations(model: nn.Module, plan: Plan | None, *, batch: int, s
 
 def fast_trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, checkpoint: bool,
                     dtype: torch.dtype | None = None, autocast: torch.dtype | None = None,
-                    inputs: InputsFn | None = None) -> StepTrace:
+                    inputs: InputsFn | None = None, gpu_rules: bool = False) -> StepTrace:
     """`trace_step`, from two cut traces when ``model`` has a `block_stack` whose
     stretches repeat."""
     kwargs: dict[str, Any] = dict(batch=batch, seq=seq, checkpoint=checkpoint, dtype=dtype,
-                                  autocast=autocast, inputs=inputs)
+                                  autocast=autocast, inputs=inputs, gpu_rules=gpu_rules)
     stack = block_stack(model, plan)
     if stack is None or plan is None:
         return trace_step(model, plan, **kwargs)
