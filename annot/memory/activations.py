@@ -5,7 +5,9 @@ memory, so a 70B config traces in seconds) with autograd's saved-tensor hooks co
 what backward will keep: every distinct storage saved for backward, parameters
 excluded. Fake tensors stay on the CPU device so the same kernels (and so the same
 saved tensors) are chosen as in a real CPU run; on a GPU, attention kernels may save
-less (flash attention keeps no probability matrix).
+less (flash attention keeps no probability matrix). `trace_step(gpu_rules=True)` (what
+`estimate_memory` uses) casts by CUDA autocast's op lists instead of the CPU's
+(`annot.memory.gpu_autocast`).
 
 Checkpointed units (the Plan's ``checkpoint`` action) are accounted from the same
 trace: their interior is dropped and only their inputs are kept, and backward
