@@ -237,7 +237,7 @@ def trace_step(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from annot.memory.counting import FlopCount, LiveBytes
-    from annot.runtime.activation_checkpoint import apply_checkpointing
+    from annot.runtime.activation_checkpoint import apply_checkpointing, torch_checkpoint
 
     paths = plan.paths(Action.CHECKPOINT) if plan is not None and checkpoint else []
     # A copy holding fake parameters itself (not through functional_call, whose swap is
@@ -257,7 +257,10 @@ def trace_step(
             for name, buf in list(module._buffers.items()):
                 if buf is not None:
                     module._buffers[name] = _fake_like(buf, dtype, is_param=False)
-    apply_checkpointing(model, paths)
+    # Under CUDA's rules a recomputation must cast as its forward did: torch's checkpoint
+    # restores torch.autocast for it, not a function mode, so the rules enter with it.
+    apply_checkpointing(model, paths, _recompute_under_rules(autocast) if gpu_rules and autocast else
+                        torch_checkpoint)
     params = dict(model.named_parameters())
     grads: dict[int, int] = {}
     peaks = {"act": 0, "all": 0, "grads": 0}  # grads: the running sum of ``grads``
@@ -316,9 +319,11 @@ def trace_step(
             args, kwargs = (inputs or default_inputs)(model, batch, seq)
             if paths:  # as auto_wrap runs a checkpointed transformers model (pitfall 14)
                 kwargs = training_forward_kwargs(model, args, kwargs)
-            with _autocast(autocast, gpu_rules):
-                out = model(*args, **kwargs)
-                loss = _loss_of(out)
+            rules = _gpu_rules(autocast) if gpu_rules else None
+            with rules if rules is not None else contextlib.nullcontext():
+                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None and rules is None):
+                    out = model(*args, **kwargs)
+                    loss = _loss_of(out)
             del out
             at("backward", -1)
             loss.backward()
@@ -334,13 +339,29 @@ def trace_step(
                      flops=flop_counter.total)
 
 
-def _autocast(dtype: torch.dtype | None, gpu_rules: bool) -> contextlib.AbstractContextManager[Any]:
-    """The autocast region of a traced step: none, CPU autocast, or CUDA's rules."""
-    if dtype is not None and gpu_rules:
-        from annot.memory.gpu_autocast import CudaAutocast
+def _recompute_under_rules(dtype: torch.dtype) -> Callable[..., Any]:
+    """A checkpoint function whose recomputation runs under CUDA's rules for ``dtype``
+    (no cast cache: a recomputation casts again, as autocast on a GPU does)."""
+    from torch.utils.checkpoint import checkpoint
 
-        return CudaAutocast(dtype)
-    return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
+    def recompute_context() -> tuple[Any, Any]:
+        rules = _gpu_rules(dtype)
+        rules.stop_caching()
+        return contextlib.nullcontext(), rules
+
+    def run(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(function, *args, use_reentrant=False, context_fn=recompute_context, **kwargs)
+    return run
+
+
+def _gpu_rules(dtype: torch.dtype | None) -> Any:
+    """CUDA autocast's casting rules for ``dtype`` (`annot.memory.gpu_autocast`), or
+    ``None`` without autocast."""
+    if dtype is None:
+        return None
+    from annot.memory.gpu_autocast import CudaAutocast
+
+    return CudaAutocast(dtype)
 
 
 @contextlib.contextmanager

@@ -64,6 +64,13 @@ class CudaAutocast(TorchFunctionMode):
         super().__init__()
         self.dtype = dtype
         self._cache: dict[int, torch.Tensor] = {}
+        self._caching = True
+
+    def stop_caching(self) -> None:
+        """Drop the cached casts and cache no more (a recomputation in backward casts
+        again, as autocast on a GPU does)."""
+        self._cache.clear()
+        self._caching = False
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -82,7 +89,7 @@ class CudaAutocast(TorchFunctionMode):
     def _lower(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == self.dtype:
             return value
-        if value.is_leaf and value.requires_grad:  # autocast's cast cache: once per parameter
+        if self._caching and value.is_leaf and value.requires_grad:  # autocast's cast cache
             key = id(value)
             if key not in self._cache:
                 with torch._C.DisableTorchFunction():
