@@ -46,7 +46,7 @@ def traced_block_counts(monkeypatch):
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_the_grown_step_trace_equals_the_whole_trace(checkpoint, traced_block_counts):
-    model = _gpt(MIN_BLOCKS + 2)
+    model = _gpt(MIN_BLOCKS)
     plan = annot.plan(model)
     whole = activations.trace_step(model, plan, batch=2, seq=16, checkpoint=checkpoint,
                                    autocast=torch.bfloat16)
@@ -60,7 +60,7 @@ def test_the_grown_step_trace_equals_the_whole_trace(checkpoint, traced_block_co
 
 
 def test_the_grown_activation_estimate_equals_the_whole_one():
-    model = _gpt(MIN_BLOCKS + 1)
+    model = _gpt(MIN_BLOCKS)
     plan = annot.plan(model)
     whole = activations.trace_activations(model, plan, batch=2, seq=16)
     grown = fast_trace_activations(model, plan, batch=2, seq=16)
