@@ -223,7 +223,7 @@ def test_a_config_dataclass_constructor_is_filled_from_kwargs(capsys, tmp_path):
 @pytest.mark.slow
 def test_plan_memory_table_and_recommendation(capsys):
     code, out, _ = run(capsys, "plan", GPT, "--memory", "--gpus", "2", "--batch", "4", "--seq", "32",
-                       "--precision", "fp32", "--gpu-mem", "2GiB", "--host-mem", "8GiB")
+                       "--precision", "fp32", "--gpu-mem", "4GiB", "--host-mem", "8GiB")
     assert code == 0
     assert "activations saved for backward:" in out
     assert "FSDP2, no reshard" in out and "ZeRO-3 + params, optimizer on NVMe" in out

@@ -80,10 +80,19 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
                         choices=("fp32", "amp", "bf16-mixed", "fp16-mixed", "bf16"),
                         help="fp32; amp (fp32 states, torch.autocast); 16-bit mixed with fp32 "
                              "master weights; or pure bf16 (default: bf16-mixed)")
-    memory.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd-momentum", "sgd"),
-                        help="default: adamw")
+    memory.add_argument("--optimizer", default="adamw",
+                        choices=("adamw", "adam", "adamw-for-loop", "adam-for-loop", "sgd-momentum", "sgd"),
+                        help="default: adamw (torch's foreach step); *-for-loop: no states-sized "
+                             "step temporary (foreach=False, DeepSpeed's FusedAdam/CPUAdam)")
+    memory.add_argument("--gpu", metavar="KIND", choices=("H100", "H200", "A100", "A100-40GB"),
+                        help="GPU kind (H100, H200, A100, A100-40GB): its memory and reserve "
+                             "(default: the visible GPU, else H100)")
     memory.add_argument("--gpu-mem", metavar="SIZE",
-                        help="memory per GPU, e.g. 80GiB (default: the visible GPU, else 80GiB)")
+                        help="memory per GPU, e.g. 80GiB (default: the --gpu kind's, else the "
+                             "visible GPU's, else an H100's 79.6GiB)")
+    memory.add_argument("--deepspeed-config", metavar="FILE",
+                        help="your DeepSpeed config (JSON): one more row modelled from its ZeRO "
+                             "stage, offload, buckets, prefetch and live/reuse limits, fp16/bf16")
     memory.add_argument("--host-mem", metavar="SIZE",
                         help="memory per host, e.g. 512GiB (default: this machine's RAM)")
     memory.add_argument("--margin", type=float, default=None,
@@ -96,7 +105,8 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     memory.add_argument("--fit-strategies", metavar="KEYS", default="ddp,zero3,zero3-offload",
                         help="strategies for --fit, comma-separated (default: ddp,zero3,zero3-offload)")
     memory.add_argument("--reserve", metavar="SIZE",
-                        help="bytes per GPU no count sees (CUDA context, NCCL; default: 1GiB)")
+                        help="bytes per GPU no count sees (default: the GPU kind's CUDA context, "
+                             "cuBLAS workspaces and NCCL buffers per communicator)")
     memory.add_argument("--intra-node-bw", metavar="GB/S", type=float, default=None,
                         help="bandwidth each GPU sends at inside its node, GB/s (default: 150, "
                              "NVLink-class)")
@@ -234,7 +244,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(f"annot plan: error: {exc}", file=sys.stderr)
             return 2
         return run_budget(args, model, plan, budget, reserve)
-    from annot.memory import MARGIN, RESERVE, estimate_memory
+    from annot.memory import MARGIN, estimate_memory
     from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, TFLOPS
 
     def given(value: float | None, default: float) -> float:
@@ -245,11 +255,11 @@ def _run_plan(args: argparse.Namespace) -> int:
             model, plan, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=args.seq,
             precision=args.precision, optimizer=args.optimizer,
             gpu_mem=gpu_mem, host_mem=host_mem,
-            margin=MARGIN if args.margin is None else args.margin,
-            reserve=RESERVE if reserve is None else reserve,
+            margin=MARGIN if args.margin is None else args.margin, reserve=reserve,
             intra_node_bw=given(args.intra_node_bw, INTRA_NODE_BW),
             inter_node_bw=given(args.inter_node_bw, INTER_NODE_BW), tflops=given(args.tflops, TFLOPS),
             cp=_cp_sizes(args.cp),
+            deepspeed_config=args.deepspeed_config, gpu=args.gpu,
         )
     except (AnnotError, ValueError) as exc:
         print(f"annot plan: error: {exc}", file=sys.stderr)
@@ -273,6 +283,7 @@ def _run_fit(args: argparse.Namespace, model, options, plan_of, gpu_mem, host_me
     from annot.cli.targets import build_target
     from annot.memory import MARGIN, RESERVE
     from annot.memory.fit import format_fit, largest_fit
+    from annot.memory.gpu_kinds import gpu_kind
     from annot.policies import AnnotError
 
     at = options.get(args.fit, getattr(getattr(model, "config", None), args.fit, None))
@@ -286,7 +297,7 @@ def _run_fit(args: argparse.Namespace, model, options, plan_of, gpu_mem, host_me
             keys=[k.strip() for k in args.fit_strategies.split(",") if k.strip()],
             plan_of=plan_of, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=args.seq,
             precision=args.precision, optimizer=args.optimizer,
-            gpu_mem=gpu_mem if gpu_mem is not None else 80 * 2**30,
+            gpu_mem=gpu_mem if gpu_mem is not None else gpu_kind(args.gpu).memory,
             host_mem=host_mem if host_mem is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             margin=MARGIN if args.margin is None else args.margin,
             reserve=RESERVE if reserve is None else reserve)

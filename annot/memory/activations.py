@@ -5,7 +5,9 @@ memory, so a 70B config traces in seconds) with autograd's saved-tensor hooks co
 what backward will keep: every distinct storage saved for backward, parameters
 excluded. Fake tensors stay on the CPU device so the same kernels (and so the same
 saved tensors) are chosen as in a real CPU run; on a GPU, attention kernels may save
-less (flash attention keeps no probability matrix).
+less (flash attention keeps no probability matrix). `trace_step(gpu_rules=True)` (what
+`estimate_memory` uses) casts by CUDA autocast's op lists instead of the CPU's
+(`annot.memory.gpu_autocast`).
 
 Checkpointed units (the Plan's ``checkpoint`` action) are accounted from the same
 trace: their interior is dropped and only their inputs are kept, and backward
@@ -221,25 +223,31 @@ def trace_step(
     autocast: torch.dtype | None = None,
     inputs: InputsFn | None = None,
     prepare: Callable[[nn.Module], None] | None = None,
+    gpu_rules: bool = False,
 ) -> StepTrace:
     """Trace forward, loss and backward of ``model`` under ``FakeTensorMode`` and count live
     bytes with `annot.memory.counting.LiveBytes`: activations, the transients of
     backward (gradients of activations, the loss's), and the parameters' gradients as
     autograd produces them. ``checkpoint`` runs the Plan's checkpointed units under
     torch's non-reentrant checkpoint, as `auto_wrap` does; ``dtype`` casts floating
-    parameters (a 16-bit compute copy), ``autocast`` traces under ``torch.autocast``.
+    parameters (a 16-bit compute copy), ``autocast`` traces under ``torch.autocast``, or
+    with ``gpu_rules`` under CUDA autocast's op lists (`annot.memory.gpu_autocast`).
     Only the loss is kept from the output (what a training step holds in backward).
     ``prepare`` installs the run-time tools on the traced copy instead of the Plan's
     checkpointing (`annot.memory.budget` traces its per-unit choices so)."""
     from annot.memory.counting import FlopCount, LiveBytes
-    from annot.runtime.activation_checkpoint import apply_checkpointing
+    from annot.runtime.activation_checkpoint import apply_checkpointing, torch_checkpoint
 
     paths = plan.paths(Action.CHECKPOINT) if plan is not None and checkpoint else []
     model, fake_mode = fake_copy(model, dtype)
     if prepare is not None:
         prepare(model)
     else:
-        apply_checkpointing(model, paths)
+        # Under CUDA's rules a recomputation must cast as its forward did: torch's
+        # checkpoint restores torch.autocast for it, not a function mode, so the rules
+        # enter with it.
+        apply_checkpointing(model, paths, _recompute_under_rules(autocast)
+                            if gpu_rules and autocast else torch_checkpoint)
     params = dict(model.named_parameters())
     grads: dict[int, int] = {}
     peaks = {"act": 0, "all": 0, "grads": 0}  # grads: the running sum of ``grads``
@@ -298,9 +306,11 @@ def trace_step(
             args, kwargs = (inputs or default_inputs)(model, batch, seq)
             if paths:  # as auto_wrap runs a checkpointed transformers model (pitfall 14)
                 kwargs = training_forward_kwargs(model, args, kwargs)
-            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                out = model(*args, **kwargs)
-                loss = _loss_of(out)
+            rules = _gpu_rules(autocast) if gpu_rules else None
+            with rules if rules is not None else contextlib.nullcontext():
+                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None and rules is None):
+                    out = model(*args, **kwargs)
+                    loss = _loss_of(out)
             del out
             at("backward", -1)
             loss.backward()
@@ -340,6 +350,31 @@ def fake_copy(model: nn.Module, dtype: torch.dtype | None) -> tuple[nn.Module, A
                 if buf is not None:
                     module._buffers[name] = _fake_like(buf, dtype, is_param=False)
     return model, fake_mode
+
+
+def _recompute_under_rules(dtype: torch.dtype) -> Callable[..., Any]:
+    """A checkpoint function whose recomputation runs under CUDA's rules for ``dtype``
+    (no cast cache: a recomputation casts again, as autocast on a GPU does)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def recompute_context() -> tuple[Any, Any]:
+        rules = _gpu_rules(dtype)
+        rules.stop_caching()
+        return contextlib.nullcontext(), rules
+
+    def run(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(function, *args, use_reentrant=False, context_fn=recompute_context, **kwargs)
+    return run
+
+
+def _gpu_rules(dtype: torch.dtype | None) -> Any:
+    """CUDA autocast's casting rules for ``dtype`` (`annot.memory.gpu_autocast`), or
+    ``None`` without autocast."""
+    if dtype is None:
+        return None
+    from annot.memory.gpu_autocast import CudaAutocast
+
+    return CudaAutocast(dtype)
 
 
 @contextlib.contextmanager

@@ -18,13 +18,17 @@ from typing import Any
 from annot.engines.deepspeed_config import PERSISTENCE_THRESHOLD
 from annot.memory.activations import StepTrace
 from annot.memory.strategies import MemoryInputError, Strategy
+from annot.memory.user_config import ZERO_DEFAULTS
 
 __all__ = ["OPTIMIZERS", "ModelFacts", "RankMemory", "rank_memory"]
 
 #: Optimizer state tensors per parameter, and whether its step makes a temporary of
 #: the states' size (torch's foreach Adam/AdamW, the GPU default: ``sqrt(exp_avg_sq)``).
+#: ``adamw-for-loop``/``adam-for-loop``: ``foreach=False`` (torch's default before 2.0),
+#: or DeepSpeed's FusedAdam and CPUAdam, which step in place: no states-sized temporary.
 OPTIMIZERS: dict[str, tuple[int, bool]] = {
-    "adamw": (2, True), "adam": (2, True), "sgd-momentum": (1, False), "sgd": (0, False),
+    "adamw": (2, True), "adam": (2, True), "adamw-for-loop": (2, False), "adam-for-loop": (2, False),
+    "sgd-momentum": (1, False), "sgd": (0, False),
 }
 
 
@@ -150,12 +154,21 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
         where = HOST if strategy.offload_params else ""
         static[f"{where}parameter partition"] = shard * b["param"]
         static["persistent parameters"] = facts.persistent * b["compute"]
+        # DeepSpeed keeps a unit gathered until its next use when fewer than
+        # ``stage3_max_reuse_distance`` parameters run in between (the coordinator's
+        # ``__params_to_release``); ``stage3_max_live_parameters`` caps prefetch only.
         prefetch = int(zero["stage3_prefetch_bucket_size"])
+        live_cap = int(zero["stage3_max_live_parameters"])
+        retained, across_step = _reuse_retained(segments, units, int(zero["stage3_max_reuse_distance"]))
         run: list[tuple[str, Parts]] = []
-        for ph, u, top, _ in segments:
-            gathered = (unit(u) if u >= 0 else facts.root) + min(prefetch, facts.largest_unit)
-            run.append((name(ph, u), {"activations": top, "gathered parameters": gathered * b["compute"],
+        for (ph, u, top, _), kept in zip(segments, retained, strict=True):
+            running = unit(u) if u >= 0 else facts.root
+            ahead = min(prefetch, facts.largest_unit, max(0, live_cap - running - kept))
+            run.append((name(ph, u), {"activations": top,
+                                      "gathered parameters": (running + ahead) * b["compute"],
+                                      "parameters kept for reuse": kept * b["compute"],
                                       **(grads if ph == "backward" else {})}))
+        step["parameters kept for reuse"] = across_step * b["compute"]
         return _peak(static, run, step)
 
     # FSDP2 / FSDP1: sharded parameters, gradients and optimizer states (on the host with
@@ -204,6 +217,38 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     return _peak(static, run, step)
 
 
+def _reuse_retained(segments: tuple[tuple[str, int, int, int], ...], units: tuple[int, ...],
+                    distance: int) -> tuple[list[int], int]:
+    """Parameters (elements) of units other than the running one that ZeRO-3 keeps
+    gathered at each stretch of ``segments``, and across the optimizer step: a unit stays
+    gathered from one use to its next (the step repeating cyclically) when the units run
+    in between hold fewer than ``distance`` parameters. Unit granularity (DeepSpeed
+    decides per submodule) and the root's parameters not counted in between."""
+    visits = [u for _, u, _, _ in segments]
+    m = len(visits)
+    sizes = [units[u] if 0 <= u < len(units) else 0 for u in visits]
+    prefix = [0]
+    for i in range(2 * m):
+        prefix.append(prefix[-1] + sizes[i % m])
+    extra = [0] * (2 * m + 1)  # a difference array over two cycles
+    positions: dict[int, list[int]] = {}
+    for i, u in enumerate(visits):
+        if 0 <= u < len(units):
+            positions.setdefault(u, []).append(i)
+    across = 0
+    for u, seen in positions.items():
+        for here, there in zip(seen, [*seen[1:], seen[0] + m], strict=True):
+            if there - here > 1 and prefix[there] - prefix[here + 1] < distance:
+                extra[here + 1] += units[u]
+                extra[there] -= units[u]
+                across += units[u] if there >= m else 0
+    kept, running = [0] * m, 0
+    for i in range(2 * m):
+        running += extra[i]
+        kept[i % m] += running
+    return kept, across
+
+
 def _next_unit(order: list[int], done: set[int]) -> int:
     """The unit backward runs next (forward order reversed), -1 when none is left."""
     for u in reversed(order):
@@ -227,12 +272,9 @@ def _peak(static: Parts, stretches: list[tuple[str, Parts]], step: Parts) -> Ran
 
 
 def _ds_defaults(zero: dict[str, Any]) -> dict[str, Any]:
-    """DeepSpeed 0.19's defaults for what a config leaves out."""
+    """DeepSpeed 0.19's defaults for what a config leaves out (`ZERO_DEFAULTS`)."""
     stage = int(zero.get("stage", 0))
-    return {"stage": stage, "reduce_bucket_size": 500_000_000, "overlap_comm": stage == 3,
-            "stage3_prefetch_bucket_size": 50_000_000,
-            "stage3_max_live_parameters": 1_000_000_000,
-            "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD, **zero}
+    return {"stage": stage, "overlap_comm": stage == 3, **ZERO_DEFAULTS, **zero}
 
 
 def model_facts(model: Any, plan: Any, persistence_threshold: int = PERSISTENCE_THRESHOLD) -> ModelFacts:

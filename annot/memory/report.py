@@ -14,8 +14,6 @@ from annot.memory.activations import (
     ActivationEstimate,
     InputsFn,
     StepTrace,
-    trace_activations,
-    trace_step,
 )
 from annot.memory.communication import (
     INTER_NODE_BW,
@@ -48,12 +46,20 @@ from annot.memory.engine_memory import (
     model_facts,
     rank_memory,
 )
+from annot.memory.gpu_kinds import DEFAULT_GPU, GPU_KINDS, GpuKind, gpu_kind
+from annot.memory.representative import fast_trace_activations, fast_trace_step
 from annot.memory.strategies import (
     PRECISIONS,
     STRATEGIES,
     MemoryInputError,
     Strategy,
     layout_strategies,
+)
+from annot.memory.user_config import (
+    USER_DEEPSPEED_KEY,
+    UserDeepSpeed,
+    ddp_strategy,
+    read_deepspeed_config,
 )
 from annot.policies import Action, Plan, Policy, Rule, make_plan
 from annot.policies.plan import format_bytes
@@ -65,11 +71,14 @@ GiB = 2**30
 DDP_LIMIT_PARAMS = 500_000_000  # the seeds' rule of thumb: DDP below about 500M parameters
 #: What no count sees, added to every counted GPU peak before comparing with the GPU's
 #: memory: ``MARGIN`` of the peak (the caching allocator's rounding and fragmentation)
-#: plus ``RESERVE`` bytes (the CUDA context, NCCL's buffers and workspaces). Counted CPU
-#: runs verify the counted part only (tests/memory/test_counted.py); these two are
-#: stated allowances, configurable per call (``margin=``, ``reserve=``).
+#: plus a reserve (the CUDA context, cuBLAS workspaces, NCCL's buffers per communicator),
+#: by default from the GPU kind's table (`annot.memory.gpu_kinds`) for each strategy's
+#: communicators. ``RESERVE`` is that table's figure for one H100 process with one
+#: communicator. Counted CPU runs verify the counted part only
+#: (tests/memory/test_counted.py); both are configurable per call (``margin=``,
+#: ``reserve=``).
 MARGIN = 0.10
-RESERVE = 1 * GiB
+RESERVE = GPU_KINDS[DEFAULT_GPU].reserve(1)
 # Fastest first. Checkpointing costs about a third more compute; sharding parameters
 # costs all-gathers, offload costs host transfers.
 PREFERENCE: tuple[tuple[str, bool], ...] = (
@@ -165,6 +174,8 @@ class MemoryReport:
     #: Layouts not weighed, each (label, why): a tensor-parallel layout the model's
     #: ``_tp_plan`` cannot give.
     unavailable: tuple[tuple[str, str], ...] = ()
+    #: The GPU kind whose reserve table applied (`annot.memory.gpu_kinds`).
+    gpu_kind: str = DEFAULT_GPU
 
     def row(self, key: str) -> StrategyRow:
         return next(r for r in self.rows if r.key == key)
@@ -197,7 +208,8 @@ class MemoryReport:
             f"{format_bytes(a.saved_checkpointed)} + {format_bytes(a.recompute_peak)} recompute "
             f"peak with the plan's checkpointing ({len(a.per_unit)} units)",
             f"limits: {format_bytes(self.gpu_mem)} per GPU (counted peak + {self.margin:.0%} "
-            f"+ {format_bytes(self.reserve)} must fit), {format_bytes(self.host_mem)} per host",
+            f"+ {format_bytes(self.reserve)} must fit: {self.gpu_kind} CUDA context, cuBLAS "
+            f"workspaces, NCCL buffers per communicator), {format_bytes(self.host_mem)} per host",
         ]
         if self.network is not None:
             n = self.network
@@ -225,10 +237,21 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
-def _default_gpu_mem() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return 80 * GiB
+def _gpu_kind_and_memory(gpu: str | None) -> tuple[GpuKind, int]:
+    """The GPU kind (named, else the visible GPU's, else `DEFAULT_GPU`) and its memory
+    (the visible GPU's own total when none is named)."""
+    if gpu is None and torch.cuda.is_available():
+        return gpu_kind(None, torch.cuda.get_device_name(0)), torch.cuda.get_device_properties(0).total_memory
+    kind = gpu_kind(gpu)
+    return kind, kind.memory
+
+
+def communicators(strategy: Strategy, world: int) -> int:
+    """NCCL communicators one rank of ``strategy`` holds: none alone, one over the world,
+    one more per further mesh dimension (HSDP's replicate, tensor parallelism)."""
+    if world <= 1:
+        return 0
+    return max(1, len(strategy.mesh))
 
 
 def _default_host_mem() -> int:
@@ -249,7 +272,8 @@ def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, pla
                     world: int, precision: str, optimizer: str,
                     records: tuple[ParamRecord, ...] | None = None,
                     styles: dict[str, str] | None = None,
-                    attention: AttentionShape | None = None) -> RankMemory:
+                    attention: AttentionShape | None = None,
+                    ds_zero: dict[str, Any] | None = None) -> RankMemory:
     """`rank_memory` of ``strategy`` with the config annot writes for it, on ``trace``
     (the training step traced in ``strategy``'s precision setting, `_trace_setting`).
 
@@ -261,11 +285,15 @@ def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, pla
     ``hpz_partition_size`` ranks of a node. Context parallelism (a ``cp`` dimension:
     ``trace`` is of the sequence one rank holds) shards over ``shard x cp`` and adds the
     other ranks' keys and values (``attention``, `annot.memory.context_parallel`).
+    ``ds_zero``: a DeepSpeed strategy's ``zero_optimization`` section when it is the
+    user's (`annot.memory.user_config`) rather than the one annot writes.
     """
     layout = strategy_layout(strategy, world)
     zero = None
     hpz = int(strategy.option("hpz_partition_size", 1))
-    if strategy.engine == "deepspeed":
+    if strategy.engine == "deepspeed" and ds_zero is not None:
+        zero = ds_zero
+    elif strategy.engine == "deepspeed":
         from annot.engines.deepspeed_config import deepspeed_config
 
         options = strategy.engine_options(precision)
@@ -279,7 +307,8 @@ def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, pla
         facts = _tp_facts(facts, records, styles, layout.tp)
     memory = rank_memory(strategy, trace, facts,
                          world=layout.shard * layout.cp if strategy.mesh else world,
-                         precision=precision, optimizer=optimizer, ds_zero=zero)
+                         precision=precision, optimizer=optimizer, ds_zero=zero,
+                         ddp_bucket_view=bool(strategy.option("gradient_as_bucket_view", True)))
     if layout.cp > 1:
         if attention is None:
             raise MemoryInputError(f"{strategy.label}: context parallelism needs the attention shape")
@@ -376,23 +405,30 @@ def estimate_memory(
     gpu_mem: int | None = None,
     host_mem: int | None = None,
     margin: float = MARGIN,
-    reserve: int = RESERVE,
+    reserve: int | None = None,
     inputs: InputsFn | None = None,
     intra_node_bw: float = INTRA_NODE_BW,
     inter_node_bw: float = INTER_NODE_BW,
     tflops: float = TFLOPS,
     tp_plan: dict[str, str] | None = None,
     cp: tuple[int, ...] = (),
+    deepspeed_config: dict[str, Any] | str | os.PathLike[str] | None = None,
+    ddp_options: dict[str, Any] | None = None,
+    gpu: str | None = None,
 ) -> MemoryReport:
     """Per-GPU and per-host memory of every strategy for ``model`` (build it on the meta
     device: nothing is allocated), each one's communication and step time, and the
     fastest strategy that fits.
 
     ``gpus`` is GPUs per node; ``batch`` the micro-batch per GPU; ``gpu_mem``/``host_mem``
-    in bytes (defaults: the visible GPU, else 80 GiB; this machine's RAM). ``plan`` may be
+    in bytes (defaults: the ``gpu`` kind's, else the visible GPU's, else an H100's 79.6 GiB;
+    this machine's RAM). ``gpu``: ``"H100"``, ``"H200"``, ``"A100"``, ``"A100-40GB"``
+    (`annot.memory.gpu_kinds`). ``plan`` may be
     a Plan, or a policy/rule to build one (default: the model's marks / HF metadata); its
     checkpoint units are what "with checkpointing" means. A strategy fits when its
-    counted peak x (1 + ``margin``) + ``reserve`` is at most ``gpu_mem``. The optimizer is
+    counted peak x (1 + ``margin``) + ``reserve`` is at most ``gpu_mem``; ``reserve``
+    defaults to the GPU kind's context, cuBLAS workspaces and NCCL buffers for the
+    strategy's communicators (`GpuKind.reserve`). The optimizer is
     torch's (foreach, as on GPUs).
 
     The network (`annot.memory.communication`): ``intra_node_bw`` GB/s each GPU sends
@@ -408,6 +444,13 @@ def estimate_memory(
     of ``seq`` tokens split over ``c`` ranks of a node, parameters sharded over every
     rank; `annot.memory.context_parallel`), preferred after the strategies that keep
     model states on the GPU and before offload. Default none.
+    ``deepspeed_config``: your DeepSpeed config (a dict, or the path of its JSON file).
+    Its strategy is one more row, key ``"deepspeed-config"``, modelled from that config
+    (ZeRO stage, offload, buckets, prefetch, live and reuse limits, persistence
+    threshold; its ``fp16``/``bf16`` section for the precision, whatever ``precision``
+    says; `annot.memory.user_config`). A key DeepSpeed does not know is an error naming it.
+    ``ddp_options``: the DDP row as you run DDP; ``{"gradient_as_bucket_view": False}``
+    (torch's default, annot's is True) keeps each gradient beside its bucket copy.
     """
     wrappers = {"DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"}
     if any(hasattr(p, "device_mesh") for p in model.parameters()) or any(
@@ -425,13 +468,16 @@ def estimate_memory(
         raise MemoryInputError("--gpus and --nodes must be at least 1")
     network = Network(gpus_per_node=gpus, nodes=nodes, intra_node_bw=intra_node_bw * 1e9,
                       inter_node_bw=inter_node_bw * 1e9, flops=tflops * 1e12)
-    gpu_mem = gpu_mem if gpu_mem is not None else _default_gpu_mem()
+    kind, kind_mem = _gpu_kind_and_memory(gpu)
+    gpu_mem = gpu_mem if gpu_mem is not None else kind_mem
     host_mem = host_mem if host_mem is not None else _default_host_mem()
+    user_ds = read_deepspeed_config(deepspeed_config) if deepspeed_config is not None else None
+    ddp = ddp_strategy(ddp_options)
     styles, unavailable = _tensor_parallel_styles(model, tp_plan, network)
     rows, activations, strategies = _rows(
         model, plan, network=network, batch=batch, seq=seq, precision=precision,
         optimizer=optimizer, gpu_mem=gpu_mem, host_mem=host_mem, margin=margin, reserve=reserve,
-        inputs=inputs, styles=styles, cp=tuple(cp))
+        inputs=inputs, styles=styles, cp=tuple(cp), user_ds=user_ds, ddp=ddp, kind=kind)
     key, checkpoint, reason = _recommend(rows, plan.total_params, gpu_mem, bool(activations.per_unit),
                                          cp=tuple(cp))
     if nodes > 1 and key is not None:
@@ -440,7 +486,9 @@ def estimate_memory(
         model=type(model).__name__, params=plan.total_params,
         largest_unit_params=max([u.params for u in plan.units] + [plan.root.params]),
         gpus_per_node=gpus, nodes=nodes, precision=precision, optimizer=optimizer, batch=batch,
-        seq=seq, gpu_mem=gpu_mem, host_mem=host_mem, margin=margin, reserve=reserve,
+        seq=seq, gpu_mem=gpu_mem, host_mem=host_mem, margin=margin,
+        reserve=reserve if reserve is not None else kind.reserve(1 if gpus * nodes > 1 else 0),
+        gpu_kind=kind.name,
         activations=activations, rows=tuple(rows), recommendation=key, checkpoint=checkpoint,
         reason=reason, network=network,
         call=strategies[key].call(precision, checkpoint) if key is not None else None,
@@ -471,17 +519,21 @@ def _tensor_parallel_styles(model: nn.Module, tp_plan: dict[str, str] | None,
 
 def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: int,
           precision: str, optimizer: str, gpu_mem: int, host_mem: int, margin: float,
-          reserve: int, inputs: InputsFn | None, styles: dict[str, str],
+          reserve: int | None, inputs: InputsFn | None, styles: dict[str, str],
           keys: tuple[str, ...] | None = None, cp: tuple[int, ...] = (),
+          user_ds: UserDeepSpeed | None = None, ddp: Strategy | None = None,
+          kind: GpuKind | None = None,
           ) -> tuple[list[StrategyRow], ActivationEstimate, dict[str, Strategy]]:
     gpus, world = network.gpus_per_node, network.world
     half = torch.float16 if precision == "fp16-mixed" else torch.bfloat16
-    activations = trace_activations(model, plan, batch=batch, seq=seq,
+    activations = fast_trace_activations(model, plan, batch=batch, seq=seq,
                                     dtype=None if precision in ("fp32", "amp") else half, inputs=inputs)
     facts = model_facts(model, plan)
     records = param_records(model, plan)
-    candidates = (*STRATEGIES, *layout_strategies(gpus, network.nodes, tp=bool(styles)),
-                  *cp_strategies(cp, gpus, world))
+    candidates = (*(ddp if ddp is not None and s.key == "ddp" else s for s in STRATEGIES),
+                  *layout_strategies(gpus, network.nodes, tp=bool(styles)),
+                  *cp_strategies(cp, gpus, world),
+                  *((user_ds.strategy,) if user_ds is not None else ()))
     chosen = [s for s in candidates if keys is None or s.key in keys]
     attention = attention_shape(model) if cp else None
     # A cp row is traced at the sequence one rank holds.
@@ -490,36 +542,52 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
         if seq % (2 * c):
             raise MemoryInputError(f"cp={c}: seq {seq} is not a multiple of {2 * c} (each sequence "
                                    f"is split into {2 * c} equal chunks)")
+
+    def precision_of(s: Strategy) -> str:
+        return user_ds.precision if user_ds is not None and s.key == USER_DEEPSPEED_KEY else precision
+
+    def facts_of(s: Strategy) -> ModelFacts:
+        if user_ds is not None and s.key == USER_DEEPSPEED_KEY:
+            return model_facts(model, plan, int(user_ds.zero["stage3_param_persistence_threshold"]))
+        return facts
     # With no unit to checkpoint, the checkpointed step is the plain one: traced once.
     can_checkpoint = bool(plan.paths(Action.CHECKPOINT))
     traces: dict[tuple[Any, ...], StepTrace] = {}
     for s in chosen:
-        dtype, autocast = _trace_setting(s, precision)
+        dtype, autocast = _trace_setting(s, precision_of(s))
         for checkpoint in (False, can_checkpoint):
             if (dtype, autocast, checkpoint, seqs[s.key]) not in traces:
-                traces[(dtype, autocast, checkpoint, seqs[s.key])] = trace_step(
+                # The target is a GPU: autocast casts by CUDA's op lists.
+                traces[(dtype, autocast, checkpoint, seqs[s.key])] = fast_trace_step(
                     model, plan, batch=batch, seq=seqs[s.key], checkpoint=checkpoint, dtype=dtype,
-                    autocast=autocast, inputs=inputs)
+                    autocast=autocast, inputs=inputs, gpu_rules=True)
     rows = []
     for s in chosen:
-        setting = _trace_setting(s, precision)
-        plain, ckpt = (strategy_memory(s, traces[(*setting, c, seqs[s.key])], facts, plan, world=world,
-                                       precision=precision, optimizer=optimizer, records=records,
-                                       styles=styles, attention=attention)
+        setting = _trace_setting(s, precision_of(s))
+        zero = user_ds.zero if user_ds is not None and s.key == USER_DEEPSPEED_KEY else None
+        plain, ckpt = (strategy_memory(s, traces[(*setting, c, seqs[s.key])], facts_of(s), plan,
+                                       world=world, precision=precision_of(s), optimizer=optimizer,
+                                       records=records, styles=styles, attention=attention,
+                                       ds_zero=zero)
                        for c in (False, can_checkpoint))
         times = [step_time(s, traces[(*setting, c, seqs[s.key])], plan, model, records, network,
-                           precision=precision, optimizer=optimizer, styles=styles,
+                           precision=precision_of(s), optimizer=optimizer, styles=styles,
                            attention=attention)
                  for c in (False, can_checkpoint)]
         nvme = s.option("offload") == "nvme"
         host = max(plain.host, ckpt.host) * gpus  # every rank of a node offloads to its host
         host_ok = nvme or host <= host_mem
 
-        def fits(m: RankMemory, host_ok: bool = host_ok) -> bool:
-            return m.device * (1 + margin) + reserve <= gpu_mem and host_ok
+        held = reserve if reserve is not None else (kind or GPU_KINDS[DEFAULT_GPU]).reserve(
+            communicators(s, world))
 
+        def fits(m: RankMemory, host_ok: bool = host_ok, held: int = held) -> bool:
+            return m.device * (1 + margin) + held <= gpu_mem and host_ok
+
+        call = (s.call(precision, None) if zero is None else
+                'annot.auto_wrap(model, "deepspeed", config=your_config, optimizer=make_optimizer)')
         rows.append(StrategyRow(
-            key=s.key, label=s.label, call=s.call(precision, None), gpu=plain.device,
+            key=s.key, label=s.label, call=call, gpu=plain.device,
             gpu_checkpointed=ckpt.device, host=0 if nvme else host, nvme=host if nvme else 0,
             fits=fits(plain), fits_checkpointed=fits(ckpt), detail=plain, detail_checkpointed=ckpt,
             time=times[0], time_checkpointed=times[1],

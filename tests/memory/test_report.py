@@ -61,7 +61,7 @@ def test_host_memory_limits_offload():
 
 
 def test_report_table_and_dict():
-    report = annot.estimate_memory(_gpt(n_layer=2), gpus=2, batch=1, seq=16, gpu_mem=2 * GiB, host_mem=GiB)
+    report = annot.estimate_memory(_gpt(n_layer=2), gpus=2, batch=1, seq=16, gpu_mem=4 * GiB, host_mem=GiB)
     text = report.table()
     assert "recommendation:" in text and "<-" in text
     data = report.to_dict()
