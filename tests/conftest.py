@@ -27,13 +27,26 @@ def _cuda_found() -> str:
             f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} device(s)")
 
 
+def _leave_out_sweeps(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The sweep lane runs only when a ``-m`` expression names it (``-m sweep``): any
+    other run, with or without ``-m``, deselects tests marked ``sweep``. (An ``addopts``
+    ``-m 'not sweep'`` would be replaced by the first ``-m`` a user gives.)"""
+    if "sweep" in (config.option.markexpr or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("sweep") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("sweep")])
+        items[:] = kept
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The suite's device switch (``ANNOT_TEST_DEVICE``, tests/distributed.py) and the
+    """Sweeps left out unless asked for (`_leave_out_sweeps`); the suite's device switch (``ANNOT_TEST_DEVICE``, tests/distributed.py) and the
     ``gpu`` marker: without a CUDA device, a test marked ``gpu`` is skipped with the
     reason, and with ``ANNOT_TEST_DEVICE=cuda`` every test is (nothing would run where
     it was asked to)."""
     from tests.distributed import DEVICE_VARIABLE, test_device
 
+    _leave_out_sweeps(config, items)
     try:
         device = test_device()
     except ValueError as error:
