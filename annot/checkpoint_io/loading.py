@@ -207,8 +207,16 @@ def _converted(model: nn.Module, rules: KeyRules | None,
         return Conversions(), {}
     where = {key: file for file, handle in files.items() for key in handle.keys()}
     sources = {key: (files[file].shape(key), files[file].dtype(key)) for key, file in where.items()}
-    conversions = plan_conversions(model, rules, sources)
+    cached = _CONVERSIONS.get(rules)
+    if cached is None or cached[0] != sources:  # one `from_pretrained` matches up to 3 times
+        cached = sources, plan_conversions(model, rules, sources)
+        _CONVERSIONS[rules] = cached
+    conversions = cached[1]
     return conversions, {key: where[key] for key in conversions.consumed}
+
+
+_CONVERSIONS: weakref.WeakKeyDictionary[KeyRules, tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Conversions]] = \
+    weakref.WeakKeyDictionary()
 
 
 def _refuse_incompatible(match: _Match, layout: ShardLayout) -> None:

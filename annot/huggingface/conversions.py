@@ -215,21 +215,40 @@ def _meta(symbols: Iterable[_Symbol]) -> list[torch.Tensor]:
 
 def _symbols(values: Any, what: str) -> list[_Symbol]:
     values = list(values)
-    if not all(isinstance(value, _Symbol) for value in values):
+    if not values or not all(isinstance(value, _Symbol) for value in values):
         raise _Untraceable(f"{what} of tensors not from the checkpoint")
     return values
 
 
+def _dtype(symbols: Sequence[_Symbol]) -> torch.dtype:
+    dtype = symbols[0].node.dtype
+    for symbol in symbols[1:]:
+        dtype = torch.promote_types(dtype, symbol.node.dtype)
+    return dtype
+
+
+# Shapes are computed here, not by torch on meta tensors: torch's meta stack and cat run
+# its Python reference implementations, 20 ms a call (2.9 s for a 48-layer, 128-expert
+# checkpoint, measured).
 def _stack(tensors: Sequence[Any], dim: int = 0, **_: Any) -> _Symbol:
     symbols = _symbols(tensors, "stack")
-    out = torch.stack(_meta(symbols), dim=dim)
-    return _Symbol.of(Stack(tuple(out.shape), out.dtype, tuple(s.node for s in symbols), dim % out.dim()))
+    shape = symbols[0].node.shape
+    if any(s.node.shape != shape for s in symbols):
+        raise _Untraceable(f"stack of tensors of different shapes {sorted({s.node.shape for s in symbols})}")
+    dim %= len(shape) + 1
+    return _Symbol.of(Stack(shape[:dim] + (len(symbols),) + shape[dim:], _dtype(symbols),
+                            tuple(s.node for s in symbols), dim))
 
 
 def _cat(tensors: Sequence[Any], dim: int = 0, **_: Any) -> _Symbol:
     symbols = _symbols(tensors, "cat")
-    out = torch.cat(_meta(symbols), dim=dim)
-    return _Symbol.of(Cat(tuple(out.shape), out.dtype, tuple(s.node for s in symbols), dim % out.dim()))
+    shape = symbols[0].node.shape
+    dim %= max(len(shape), 1)
+    if any(len(s.node.shape) != len(shape) or _put(s.node.shape, dim, 0) != _put(shape, dim, 0)
+           for s in symbols):
+        raise _Untraceable(f"cat of tensors of shapes {[s.node.shape for s in symbols]}")
+    size = sum(s.node.shape[dim] for s in symbols)
+    return _Symbol.of(Cat(_put(shape, dim, size), _dtype(symbols), tuple(s.node for s in symbols), dim))
 
 
 def _pieces(symbol: _Symbol, meta_pieces: Sequence[torch.Tensor], dim: int) -> tuple[_Symbol, ...]:

@@ -48,7 +48,7 @@ def peft_renamer(model: Any) -> Callable[[str], str]:
 
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class KeyRules:
     """transformers' renaming rules for one model (`key_rules`): its `WeightRenaming` rules,
     its `WeightConverter` rules (tensors it fuses or splits on load), the base-model prefix
@@ -58,11 +58,20 @@ class KeyRules:
     converters: list[Any]
     prefix: str | None
     names: dict[str, bool]
+    # Each key resolved once: the planning of conversions and the renamer ask for every
+    # key, and one `from_pretrained` matches keys up to three times.
+    resolved: dict[str, tuple[str, Any, str | None]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False)
 
     def resolve(self, key: str) -> tuple[str, Any, str | None]:
         """``(model name, converter, its source pattern)`` for a checkpoint key, as
         transformers' loader resolves it; converter and pattern are ``None`` for a key
         that is only renamed."""
+        if key not in self.resolved:
+            self.resolved[key] = self._resolve(key)
+        return self.resolved[key]
+
+    def _resolve(self, key: str) -> tuple[str, Any, str | None]:
         from transformers.core_model_loading import rename_source_key
 
         renamed, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.names)

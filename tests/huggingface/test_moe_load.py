@@ -6,6 +6,7 @@ FSDP2 on 2 ranks against transformers' single-process ``from_pretrained``."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -138,22 +139,46 @@ def test_annot_save_loads_in_transformers_with_equal_logits(moe_dirs, tmp_path, 
         assert torch.equal(ours(input_ids=inputs).logits, theirs(input_ids=inputs).logits)
 
 
+def _launch(runs: list[tuple[str, str]], moe_dirs: Path, out: Path) -> dict:
+    """One 2-rank launch of ``moe_load_worker.py`` for ``(engine, model)`` runs."""
+    torchrun(WORKER, str(out), *(f"{engine}:{save(name, moe_dirs)}" for engine, name in runs), timeout=600)
+    return {spec.partition(":")[0] + ":" + Path(spec.partition(":")[2]).name: result
+            for spec, result in torch.load(out, weights_only=False).items()}
+
+
+def _assert_equal_to_transformers(run: dict, what: str) -> None:
+    assert "error" not in run, f"{what}:\n{run.get('error')}"
+    assert run["state"].keys() == run["plain_state"].keys(), what
+    assert [n for n in run["state"] if not torch.equal(run["state"][n], run["plain_state"][n])] == [], what
+    assert run["loss"] == pytest.approx(run["plain_loss"], rel=LOSS_RTOL), what
+
+
 @pytest.mark.distributed
 def test_fsdp2_from_pretrained_equals_transformers(moe_dirs, tmp_path):
     """All four models in one 2-rank launch: parameters bitwise equal to transformers'
     ``from_pretrained``, fused experts split across ranks, loss within 1e-5 relative and
     every gradient within 1e-4 of the single-process model."""
-    dirs = [save(name, moe_dirs) for name in MOE_MODELS]
-    out = tmp_path / "results.pt"
-    torchrun(WORKER, str(out), *map(str, dirs), timeout=420)
-    results = torch.load(out, weights_only=False)
+    results = _launch([("fsdp2", name) for name in MOE_MODELS], moe_dirs, tmp_path / "results.pt")
     for name in MOE_MODELS:
-        run = results[name]
-        assert "error" not in run, f"{name}:\n{run.get('error')}"
-        assert run["state"].keys() == run["plain_state"].keys(), name
-        assert [n for n in run["state"] if not torch.equal(run["state"][n], run["plain_state"][n])] == [], name
+        run = results[f"fsdp2:{name}"]
+        _assert_equal_to_transformers(run, name)
         assert any(n.startswith(LAYER) for n in run["sharded"]), name
-        assert run["loss"] == pytest.approx(run["plain_loss"], rel=LOSS_RTOL), name
         assert run["grads"].keys() == run["plain_grads"].keys(), name
         for n, grad in run["plain_grads"].items():
             torch.testing.assert_close(run["grads"][n], grad, rtol=0, atol=GRAD_ATOL, msg=f"{name}: {n}")
+
+
+@pytest.mark.sweep
+@pytest.mark.distributed
+def test_flat_shards_and_mapping_equal_transformers(moe_dirs, tmp_path):
+    """FSDP1 and DeepSpeed ZeRO-3 (flat shards: the rows covering each range are read)
+    and FSDP2 with ``mmap=True`` (converted tensors are read, the rest mapped), every
+    model, one launch: parameters bitwise equal to transformers' and the loss within
+    1e-5 relative."""
+    engines = ["fsdp2-mmap", "fsdp1"]
+    if importlib.util.find_spec("deepspeed") is not None:
+        engines.append("deepspeed")
+    runs = [(engine, name) for engine in engines for name in MOE_MODELS]
+    results = _launch(runs, moe_dirs, tmp_path / "results.pt")
+    for engine, name in runs:
+        _assert_equal_to_transformers(results[f"{engine}:{name}"], f"{engine}: {name}")
