@@ -25,9 +25,11 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attent
 # fuses w1/w3; Qwen3-MoE and DeepSeek-V3 fuse gate/up (DeepSeek-V3: one dense layer
 # first, a shared expert, multi-head latent attention); gpt-oss stores fused experts.
 # DeepSeek-V3 keeps as many key/value heads as attention heads, as its real configs do:
-# its latent attention has no grouped heads, and transformers 5.24 itself fails in a
-# single process with fewer (a broadcast between 4 query and 8 repeated key heads in its
-# SDPA call) whenever the value and query/key head sizes differ.
+# its latent attention expands keys and values to every attention head, and with fewer
+# key/value heads transformers 5.24 repeats them again (heads // num_key_value_heads)
+# wherever SDPA does not take grouped heads (a mask, or value and query/key head sizes
+# that differ): 4 query heads against 8 key heads, a broadcast error in a single process
+# without annot.
 MOE_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(_COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
