@@ -6,7 +6,10 @@ a torch distributed checkpoint (a directory with ``.metadata``; read when annot
 committed it, a training state, or when asked: ``dcp=True``). Each rank reads only
 the rows of its own shards (positioned reads): an FSDP2 DTensor's rows, or the rows
 covering the flat range an FSDP1 shard or a DeepSpeed ZeRO-3 partition holds. It
-converts the dtype on the way in and loads a tied parameter once. The reads are planned
+converts the dtype on the way in and loads a tied parameter once. A tensor transformers
+builds from several keys on load (a fused mixture-of-experts ``gate_up_proj`` from one
+key per expert) is read the same way, each block from the source blocks it is made of
+(`annot.huggingface.conversions`; docs/design.md, pitfall 42). The reads are planned
 first and then run together (`annot.checkpoint_io.read_queue`: large pieces on a few
 threads, straight into the destination; through staging buffers for a conversion or a
 GPU). With ``mmap=True`` a
@@ -35,7 +38,9 @@ from annot.checkpoint_io import commit
 from annot.checkpoint_io.read_queue import ReadQueue
 from annot.checkpoint_io.safetensors_file import SafetensorsFile
 from annot.errors import CheckpointError
-from annot.huggingface.keys import checkpoint_renamer, peft_renamer
+from annot.huggingface.conversions import Conversions, plan_conversions, read_flat
+from annot.huggingface.conversions import read as read_converted
+from annot.huggingface.keys import KeyRules, checkpoint_renamer, key_rules, peft_renamer
 from annot.huggingface.model import is_peft_model, is_pretrained_model
 from annot.meta.deferred import deferred_init_of
 from annot.meta.layout import WHOLE, Block, FlatPart, ShardLayout, dtensor_block, local
@@ -105,15 +110,17 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
             "reads only when asked: pass dcp=True if you trust the folder (and prefix='model.' "
             "or another if its keys carry one)")
     match = _match(model, path, layout)
-    missing, unexpected, groups, available = match.missing, match.unexpected, match.groups, match.available
+    missing, unexpected, groups = match.missing, match.unexpected, match.groups
     if strict and (missing or unexpected):
         raise CheckpointError(_mismatch(path, missing, unexpected))
     _refuse_incompatible(match, layout)
-    provided = {n for group in groups if any(m in available for m in group) for n in group}
+    provided = {n for group in groups if any(match.provides(m) for m in group) for n in group}
     mapped = _map_provided(model, groups, match, layout) if mmap else None
     _allocate(model, device, skip=provided, layout=layout, mapped=mapped)
     mapped = mapped or {}
     loaded, read = _fill_from_safetensors(model, groups, match, layout, skip=set(mapped))
+    converted, converted_read = _fill_converted(model, groups, match, layout)
+    loaded, read = loaded + converted, read + converted_read
     mapped_groups = {id(value): local(value).nbytes for value in mapped.values()}
     return LoadReport(tuple(missing), tuple(unexpected), loaded + len(mapped_groups), read,
                       sum(mapped_groups.values()))
@@ -162,6 +169,13 @@ class _Match:
     file_key: dict[str, str]  # model name -> its key in that file
     files: dict[Path, SafetensorsFile]  # every file, its header checked
     names: dict[str, torch.Tensor]  # `state_names` when matched (before any allocation)
+    # Model tensors transformers' converters build from several keys (fused MoE experts),
+    # read block by block (`annot.huggingface.conversions`), and the file of each key used.
+    converted: Conversions = dataclasses.field(default_factory=Conversions)
+    converted_files: dict[str, Path] = dataclasses.field(default_factory=dict)
+
+    def provides(self, name: str) -> bool:
+        return name in self.available or name in self.converted.targets
 
 
 def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
@@ -170,18 +184,43 @@ def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
     # Keys that are all the model's own names need no renaming (the usual case: saved by
     # this model class); transformers' renaming rules take about 0.4-0.7 s to build.
     as_is = all(key in names for handle in files.values() for key in handle.keys())
-    rename = None if as_is else _key_renamer(layout.bare_model(model))
+    rename, rules = (None, None) if as_is else _key_renamer(layout.bare_model(model))
+    converted, converted_files = _converted(layout.bare_model(model), rules, files)
     available: dict[str, Path] = {}
     file_key: dict[str, str] = {}
     for file, handle in files.items():
         for key in handle.keys():
+            if key in converted.consumed:
+                continue
             name = rename(key) if rename is not None else key
             available[name] = file
             file_key[name] = key
     groups = _tied_groups(model, names, layout)
-    missing = [group[0] for group in groups if not any(n in available for n in group)]
+    missing = [group[0] for group in groups
+               if not any(n in available or n in converted.targets for n in group)]
     unexpected = sorted(set(available) - set(names))
-    return _Match(missing, unexpected, groups, available, file_key, files, names)
+    return _Match(missing, unexpected, groups, available, file_key, files, names, converted,
+                  converted_files)
+
+
+def _converted(model: nn.Module, rules: KeyRules | None,
+               files: dict[Path, SafetensorsFile]) -> tuple[Conversions, dict[str, Path]]:
+    """The model tensors transformers' converters build from the files' keys, planned
+    from the headers (nothing is read), and the file of each key they use."""
+    if rules is None or not rules.converters:
+        return Conversions(), {}
+    where = {key: file for file, handle in files.items() for key in handle.keys()}
+    sources = {key: (files[file].shape(key), files[file].dtype(key)) for key, file in where.items()}
+    cached = _CONVERSIONS.get(rules)
+    if cached is None or cached[0] != sources:  # one `from_pretrained` matches up to 3 times
+        cached = sources, plan_conversions(model, rules, sources)
+        _CONVERSIONS[rules] = cached
+    conversions = cached[1]
+    return conversions, {key: where[key] for key in conversions.consumed}
+
+
+_CONVERSIONS: weakref.WeakKeyDictionary[KeyRules, tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Conversions]] = \
+    weakref.WeakKeyDictionary()
 
 
 def _refuse_incompatible(match: _Match, layout: ShardLayout) -> None:
@@ -190,18 +229,26 @@ def _refuse_incompatible(match: _Match, layout: ShardLayout) -> None:
     equal, and the dtype equal or both floating point (a cast between float types is a
     conversion; anything else would reinterpret values)."""
     for name, file in match.available.items():
-        if name not in match.names:
-            continue
-        target, key, handle = match.names[name], match.file_key[name], match.files[file]
-        parts = layout.parts.get(id(target))
-        model_shape = parts[0].full_shape if parts else tuple(target.shape)
-        if handle.shape(key) != model_shape:
-            raise CheckpointError(f"{file}: {key}: checkpoint shape {handle.shape(key)} != "
-                                  f"model shape {model_shape} ({name})")
-        stored, wanted = handle.dtype(key), local(target).dtype
-        if stored != wanted and not (stored.is_floating_point and wanted.is_floating_point):
-            raise CheckpointError(f"{file}: {key}: stored as {stored}, the model's {name} is "
-                                  f"{wanted}; annot converts only between floating-point types")
+        if name in match.names:
+            key, handle = match.file_key[name], match.files[file]
+            _compare(f"{file}: {key}", handle.shape(key), handle.dtype(key), name,
+                     match.names[name], layout)
+    for name, node in match.converted.targets.items():
+        first = node.sources()[0]
+        _compare(f"{match.converted_files[first]}: {first} and the keys converted with it", node.shape,
+                 node.dtype, name, match.names[name], layout)
+
+
+def _compare(where: str, shape: tuple[int, ...], dtype: torch.dtype, name: str, target: torch.Tensor,
+             layout: ShardLayout) -> None:
+    parts = layout.parts.get(id(target))
+    model_shape = parts[0].full_shape if parts else tuple(target.shape)
+    if shape != model_shape:
+        raise CheckpointError(f"{where}: checkpoint shape {shape} != model shape {model_shape} ({name})")
+    wanted = local(target).dtype
+    if dtype != wanted and not (dtype.is_floating_point and wanted.is_floating_point):
+        raise CheckpointError(f"{where}: stored as {dtype}, the model's {name} is "
+                              f"{wanted}; annot converts only between floating-point types")
 
 
 def check_compatible(model: nn.Module, path: str | os.PathLike[str],
@@ -347,21 +394,68 @@ def _block(target: torch.Tensor) -> Block | None:
         raise CheckpointError(f"cannot load into this rank's part: {exc}") from None
 
 
-def _key_renamer(model: nn.Module) -> Callable[[str], str] | None:
+def _key_renamer(model: nn.Module) -> tuple[Callable[[str], str] | None, KeyRules | None]:
     """How checkpoint keys become model names: transformers' renaming for a
-    ``PreTrainedModel`` (files written by ``save_pretrained`` may use legacy names), and
-    the base model's names mapped onto a PEFT model's; ``None`` for any other model.
+    ``PreTrainedModel`` (files written by ``save_pretrained`` may use legacy names) with
+    its rules (which also say what its converters fuse), and the base model's names mapped
+    onto a PEFT model's; ``(None, None)`` for any other model.
     Kept per model: transformers builds its renaming rules in about 0.4 s, and one
     ``from_pretrained`` matches keys up to three times (strict check, shape check, load)."""
     if model not in _RENAMERS:
         if is_peft_model(model):
-            _RENAMERS[model] = peft_renamer(model)
+            _RENAMERS[model] = peft_renamer(model), None
+        elif is_pretrained_model(model):
+            rules = key_rules(model)
+            _RENAMERS[model] = checkpoint_renamer(model, rules), rules
         else:
-            _RENAMERS[model] = checkpoint_renamer(model) if is_pretrained_model(model) else None
+            _RENAMERS[model] = None, None
     return _RENAMERS[model]
 
 
-_RENAMERS: weakref.WeakKeyDictionary[nn.Module, Callable[[str], str] | None] = weakref.WeakKeyDictionary()
+_RENAMERS: weakref.WeakKeyDictionary[
+    nn.Module, tuple[Callable[[str], str] | None, KeyRules | None]] = weakref.WeakKeyDictionary()
+
+
+def _fill_converted(model: nn.Module, groups: list[list[str]], match: _Match,
+                    layout: ShardLayout) -> tuple[int, int]:
+    """Fill the tensors transformers' converters build (fused MoE experts) with the block
+    this rank keeps, reading only the source blocks it is made of: an FSDP2 shard's rows
+    (experts ``[a, b)`` of a stacked tensor: those experts' keys only), a tensor-parallel
+    block, the rows covering a flat shard's range (FSDP1, ZeRO-3), or the whole tensor.
+    Returns (tensors, bytes read)."""
+    if not match.converted.targets:
+        return 0, 0
+    names = state_names(model, layout)
+    read = 0
+
+    def reader(key: str, start: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        nonlocal read
+        value = match.files[match.converted_files[key]].read_block(key, start, shape)
+        read += value.numel() * value.element_size()
+        return value
+
+    loaded = 0
+    with torch.no_grad():
+        for group in groups:
+            source = next((n for n in group if n in match.converted.targets), None)
+            if source is None or any(n in match.available for n in group):
+                continue  # not converted, or read as it is under a tied name
+            node, target = match.converted.targets[source], names[group[0]]
+            parts = layout.parts.get(id(target))
+            if parts is not None:  # tied names share the parameter and its parts
+                for part in parts:
+                    if part.stop > part.start:
+                        part.destination[:part.stop - part.start].copy_(
+                            read_flat(node, part.start, part.stop, reader))
+            else:
+                block = _block(target)
+                value = (read_converted(node, block.start, block.shape, reader) if block is not None
+                         else read_converted(node, (0,) * len(node.shape), node.shape, reader))
+                for other in {id(t): t for t in (local(names[n]) for n in group)}.values():
+                    if other.numel():
+                        other.copy_(value)
+            loaded += 1
+    return loaded, read
 
 
 def _fill_from_safetensors(model: nn.Module, groups: list[list[str]], match: _Match,

@@ -4,6 +4,7 @@ model calls it (transformers' own renaming rules, looked up per model class)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-__all__ = ["checkpoint_renamer", "peft_base_name", "peft_renamer"]
+__all__ = ["KeyRules", "checkpoint_renamer", "key_rules", "peft_base_name", "peft_renamer"]
 
 # PeftModel -> LoraModel -> the transformers model: the prefix of every base name.
 PEFT_PREFIX = "base_model.model."
@@ -47,34 +48,79 @@ def peft_renamer(model: Any) -> Callable[[str], str]:
 
 
 
-def checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
-    """``rename(checkpoint_key) -> model_key`` for a ``PreTrainedModel``: transformers 5
-    renames keys between the model and its files (legacy names, ``embed_out`` ->
-    ``lm_head``, a base-model prefix added or dropped), and ``save_pretrained`` writes the
-    file names. Uses transformers' own mapping for this model. A key that one of its
-    weight converters would fuse or split (some MoE and vision checkpoints) cannot be read
-    row by row: `annot.CheckpointError` names it."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class KeyRules:
+    """transformers' renaming rules for one model (`key_rules`): its `WeightRenaming` rules,
+    its `WeightConverter` rules (tensors it fuses or splits on load), the base-model prefix
+    and the model's state names."""
+
+    renamings: list[Any]
+    converters: list[Any]
+    prefix: str | None
+    names: dict[str, bool]
+    # Each key resolved once: the planning of conversions and the renamer ask for every
+    # key, and one `from_pretrained` matches keys up to three times.
+    resolved: dict[str, tuple[str, Any, str | None]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False)
+
+    def resolve(self, key: str) -> tuple[str, Any, str | None]:
+        """``(model name, converter, its source pattern)`` for a checkpoint key, as
+        transformers' loader resolves it; converter and pattern are ``None`` for a key
+        that is only renamed."""
+        if key not in self.resolved:
+            self.resolved[key] = self._resolve(key)
+        return self.resolved[key]
+
+    def _resolve(self, key: str) -> tuple[str, Any, str | None]:
+        from transformers.core_model_loading import rename_source_key
+
+        renamed, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.names)
+        if renamed not in self.names and key in self.names:  # as transformers: the name was right
+            return key, None, None
+        if pattern is None:
+            return renamed, None, None
+        # As transformers' `pattern_to_converter`: the last converter with the pattern.
+        converter = next(c for c in reversed(self.converters) if pattern in c.source_patterns)
+        return renamed, converter, pattern
+
+
+def key_rules(model: nn.Module) -> KeyRules:
+    """transformers' own key mapping for ``model`` (a ``PreTrainedModel``, possibly
+    FSDP2-sharded); building it takes about 0.4 s."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
 
     with _bare_classes(model):
         mapping = get_model_conversion_mapping(cast("PreTrainedModel", model))  # callers pass one
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
     # Shapes only: the state dict of a meta or sharded model is names and metadata.
-    names = {name: True for name in model.state_dict()}
-    prefix = getattr(model, "base_model_prefix", None) or None
+    return KeyRules([m for m in mapping if isinstance(m, WeightRenaming)],
+                    [m for m in mapping if isinstance(m, WeightConverter)],
+                    getattr(model, "base_model_prefix", None) or None,
+                    {name: True for name in model.state_dict()})
+
+
+def checkpoint_renamer(model: nn.Module, rules: KeyRules | None = None) -> Callable[[str], str]:
+    """``rename(checkpoint_key) -> model_key`` for a ``PreTrainedModel``: transformers 5
+    renames keys between the model and its files (legacy names, ``embed_out`` ->
+    ``lm_head``, a base-model prefix added or dropped), and ``save_pretrained`` writes the
+    file names. Uses transformers' own mapping for this model (``rules``, or built here).
+    A key that one of its weight converters fuses or splits into a model tensor (MoE
+    experts) is read by `annot.huggingface.conversions`, not renamed: reaching this
+    renamer (through a PEFT model) it is refused by name with `annot.CheckpointError`;
+    one whose converted name the model lacks stays as it is (an unexpected key)."""
+    rules = rules if rules is not None else key_rules(model)
 
     def rename(key: str) -> str:
-        renamed, converter = rename_source_key(key, renamings, converters, prefix, names)
-        if renamed not in names and key in names:  # as transformers: the name was right
-            renamed, converter = key, None
-        if converter is not None:
-            raise CheckpointError(
-                f"{key}: transformers converts this tensor on load ({converter!r} fuses or "
-                "splits tensors), which annot.load cannot do slice by slice yet; load the "
-                "model with transformers and annot.save it once to get a plain checkpoint")
-        return renamed
+        renamed, converter, _ = rules.resolve(key)
+        if converter is None:
+            return renamed
+        if renamed not in rules.names:
+            return key
+        raise CheckpointError(
+            f"{key}: transformers converts this tensor on load ({converter!r} fuses or "
+            "splits tensors), which annot.load does slice by slice for a transformers model "
+            "but not through a PEFT model yet: load the base model with annot and "
+            "annot.save it once (it writes the model's own names)")
 
     return rename
 
