@@ -5,7 +5,11 @@ A layout over ``world`` ranks is three sizes whose product is the world: ``repli
 replica's parameters are sharded over) and ``tp`` (tensor parallel, innermost:
 consecutive ranks), the order torchtitan uses ([dp_replicate, dp_shard, tp]). The
 names are also the dimension names of the device mesh the engines build from it
-(`annot.engines.mesh`). Pure data: no torch, so the Plan can carry it.
+(`annot.engines.mesh`). ``ep`` (expert parallelism: each MoE layer's experts split over
+``ep`` ranks, tokens sent to their experts' ranks) spans no ranks of its own: it splits
+the ranks of the data-parallel dimensions (torchtitan borrows it from dp_shard the same
+way), so it takes no part in the product; it must divide ``replicate x shard``. Pure
+data: no torch, so the Plan can carry it.
 """
 
 from __future__ import annotations
@@ -34,12 +38,18 @@ class ParallelDims:
     replicate: int = 1
     shard: int = -1
     tp: int = 1
+    #: Expert parallelism (see the module docstring): asked for, and refused by every
+    #: engine today (`annot.engines.mesh.refuse_expert_parallel`).
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name, size in self.sizes.items():
+        for name, size in {**self.sizes, "ep": self.ep}.items():
             if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
                 raise ValueError(f"ParallelDims({name}={size!r}): a size is a positive int, "
                                  "or -1 for the rest of the world")
+        if self.ep == -1:
+            raise ValueError("ParallelDims(ep=-1): ep takes no rest of the world (it splits the "
+                             "data-parallel ranks); give the number of ranks the experts span")
         rest = [name for name, size in self.sizes.items() if size == -1]
         if len(rest) > 1:
             raise ValueError(f"ParallelDims: {' and '.join(rest)} are both -1; at most one "
@@ -65,6 +75,7 @@ class ParallelDims:
                 raise ValueError(
                     f"{self} spans {known} ranks, but the world has {world}: give sizes "
                     f"whose product is {world}, or shard=-1 for the rest")
+            self._check_ep()
             return self
         if world % known:
             raise ValueError(
@@ -76,7 +87,15 @@ class ParallelDims:
                 f"rank, so nothing is {_VERB[rest]}. Give a smaller "
                 f"{' or '.join(n for n, s in self.sizes.items() if s > 1)}, or set {rest}=1 "
                 "if that is what you mean")
-        return dataclasses.replace(self, **{rest: world // known})
+        resolved = dataclasses.replace(self, **{rest: world // known})
+        resolved._check_ep()
+        return resolved
+
+    def _check_ep(self) -> None:
+        data = self.replicate * self.shard
+        if data % self.ep:
+            raise ValueError(f"{self}: ep={self.ep} must divide the data-parallel ranks "
+                             f"(replicate x shard = {data}): experts are split among them")
 
     @property
     def world(self) -> int | None:
@@ -86,7 +105,8 @@ class ParallelDims:
     def describe(self) -> str:
         """``"replicate 2 x shard 4 x tp 1 (8 ranks)"``, for tables and messages."""
         dims = " x ".join(f"{n} {'rest' if s == -1 else s}" for n, s in self.sizes.items())
-        return dims + (f" ({self.world} ranks)" if self.world is not None else "")
+        experts = f", experts over ep {self.ep}" if self.ep != 1 else ""
+        return dims + (f" ({self.world} ranks)" if self.world is not None else "") + experts
 
     def meaning(self) -> str:
         """What the layout does, in words (``"HSDP: 2 replicas, each sharded over 4 ranks"``)."""
@@ -100,20 +120,23 @@ class ParallelDims:
             data = f"sharded over {shard}"
         if sizes["tp"] != 1:
             data += f", tensor parallel over {'the rest' if sizes['tp'] == -1 else sizes['tp']}"
+        if self.ep != 1:
+            data += f", each MoE layer's experts split over {self.ep} ranks"
         return data
 
     def __str__(self) -> str:
-        return "ParallelDims(" + ", ".join(f"{n}={s}" for n, s in self.sizes.items()) + ")"
+        return "ParallelDims(" + ", ".join(f"{n}={s}" for n, s in self.to_dict().items()) + ")"
 
     def to_dict(self) -> dict[str, int]:
-        return dict(self.sizes)
+        """The sizes, and ``ep`` where it is not 1 (a plan without experts reads as before)."""
+        return {**self.sizes, **({"ep": self.ep} if self.ep != 1 else {})}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelDims:
-        unknown = set(data) - set(DIM_NAMES)
+        unknown = set(data) - {*DIM_NAMES, "ep"}
         if unknown:
             raise ValueError(f"ParallelDims has no dimension {', '.join(sorted(unknown))}; "
-                             f"it has {', '.join(DIM_NAMES)}")
+                             f"it has {', '.join((*DIM_NAMES, 'ep'))}")
         return cls(**{k: int(v) for k, v in data.items()})
 
     @classmethod
