@@ -8,7 +8,10 @@ The engine contract's steps (`annot.engines.base`) for DeepSpeed:
    names unchanged, as with torch engines); ZeRO-3 leaf modules marked (``leaf_modules``,
    e.g. MoE blocks, whose experts run in a different order each step): ZeRO-3 then
    gathers a leaf's parameters all at once when the leaf is entered instead of hooking
-   its submodules, which must happen before ``deepspeed.initialize`` installs those hooks;
+   its submodules, which must happen before ``deepspeed.initialize`` installs those hooks.
+   Without ``leaf_modules`` the Plan's MoE blocks (`annot.policies.experts`) are the
+   leaves, so routing that differs across ranks cannot leave ranks waiting on each
+   other's gathers;
 2. `DeepSpeed.wrap`: a model built under `annot.meta_init` is, with ZeRO-3, allocated
    and partitioned one unit at a time (``deepspeed.zero.Init(module=unit)``);
 3. `DeepSpeed.fill`: the partitions (or, with ZeRO-1/2, the whole parameters) get their
@@ -67,6 +70,7 @@ __all__ = [
     "refresh_secondary_partitions",
     "refuse_other_accelerator",
     "set_leaf_modules",
+    "set_moe_leaves",
     "shard_layout",
 ]
 
@@ -128,6 +132,29 @@ def set_leaf_modules(model: nn.Module, leaf_modules: LeafModules) -> list[str]:
     return paths
 
 
+def set_moe_leaves(model: nn.Module, paths: Sequence[str]) -> None:
+    """Mark the MoE blocks at ``paths`` (the Plan's) as ZeRO-3 leaves, and say so.
+
+    Each rank runs only the experts its tokens are routed to, in its own order, while
+    ZeRO-3 gathers a module's parameters in a collective when the module is entered and
+    prefetches along the order it traced: with per-expert modules, ranks routing
+    differently then wait on different gathers and hang. A leaf is gathered whole on
+    entry (router, every expert, shared experts), which every rank does at the same
+    point of the forward."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    for path in paths:
+        set_z3_leaf_module(model.get_submodule(path), True)
+    logging.getLogger("annot").info(
+        "ZeRO-3: %d MoE block(s) gathered whole as leaf modules (%s%s); pass leaf_modules= "
+        "to choose others", len(paths), ", ".join(paths[:3]), ", ..." if len(paths) > 3 else "")
+
+
+def _no_leaves(leaf_modules: LeafModules) -> bool:
+    """``leaf_modules=()`` (or ``[]``): no leaves at all, not even the Plan's MoE blocks."""
+    return not isinstance(leaf_modules, (Rule, str, type)) and len(leaf_modules) == 0
+
+
 _DEEPSPEED_PRECISION = {None: None, torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -148,7 +175,8 @@ class DeepSpeedOptions:
         config: a whole DeepSpeed config to use instead of the one
             `annot.deepspeed_config` writes from the options above (then leave them out).
         leaf_modules: ZeRO-3 leaves (classes, class names, or a rule selecting module
-            instances, e.g. MoE blocks), gathered whole on entry.
+            instances), gathered whole on entry. ``None``: the Plan's MoE blocks
+            (`annot.policies.experts`), if any; ``()``: none.
         hpz_partition_size, quantized_weights, quantized_gradients: ZeRO++ for stage 3
             (`annot.deepspeed_config`): hierarchical partitioning over groups of N
             consecutive ranks (a node), quantized weight / gradient collectives (GPU only).
@@ -257,7 +285,10 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
             deepspeed.checkpointing.configure(None, deepspeed_config=self.config)
         apply_checkpointing(model, checkpoint_paths, self.checkpoint_function())
         if options.leaf_modules is not None:
-            set_leaf_modules(model, options.leaf_modules)
+            if not _no_leaves(options.leaf_modules):
+                set_leaf_modules(model, options.leaf_modules)
+        elif self.stage == 3 and request.plan.moe:
+            set_moe_leaves(model, [block.path for block in request.plan.moe])
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions) -> nn.Module:
         if request.deferred and self.stage == 3 and not _params_swapped_to_nvme(self.config):

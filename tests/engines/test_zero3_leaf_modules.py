@@ -43,3 +43,13 @@ def test_leaf_modules_outside_zero3_are_refused_before_deepspeed_starts():
     with pytest.raises(ValueError, match="ZeRO-3 setting.*stage is 2"):
         request = WrapRequest(annot.plan(model), torch.device("cpu"), deferred=False)
         DeepSpeed().check(model, request, options)  # auto_wrap's check step
+
+
+def test_the_plans_moe_blocks_become_leaves():
+    from annot.engines.deepspeed import set_moe_leaves
+    from tests.test_experts import FusedExperts, Model
+
+    model = Model(lambda: FusedExperts(4))
+    plan = annot.plan(model, annot.by_name("layers.*"))
+    set_moe_leaves(model, [block.path for block in plan.moe])
+    assert get_z3_leaf_modules(model) == list(model.layers)
