@@ -15,6 +15,7 @@ reference computes exactly that: the plain model's loss on each rank's rows, ave
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -81,6 +82,7 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
+@functools.cache  # several scenarios of one model share it; callers only read it
 def reference(name: str, clip: bool = False) -> dict[str, list]:
     """The plain model in one process: at each step the mean of the per-rank losses, its
     gradient (every parameter, by name; clipped to `CLIP_NORM` with ``clip``, and the norm
