@@ -121,7 +121,9 @@ class ParallelDims:
         if sizes["tp"] != 1:
             data += f", tensor parallel over {'the rest' if sizes['tp'] == -1 else sizes['tp']}"
         if self.ep != 1:
-            data += f", each MoE layer's experts split over {self.ep} ranks"
+            # Said where the layout is shown (annot plan --parallel), not only when wrapping.
+            data += (f", each MoE layer's experts split over {self.ep} ranks (not available "
+                     "yet: every engine refuses ep > 1)")
         return data
 
     def __str__(self) -> str:
