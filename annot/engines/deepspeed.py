@@ -175,8 +175,9 @@ class DeepSpeedOptions:
         config: a whole DeepSpeed config to use instead of the one
             `annot.deepspeed_config` writes from the options above (then leave them out).
         leaf_modules: ZeRO-3 leaves (classes, class names, or a rule selecting module
-            instances), gathered whole on entry. ``None``: the Plan's MoE blocks
-            (`annot.policies.experts`), if any; ``()``: none.
+            instances), gathered whole on entry, and no others. ``None``: the Plan's MoE
+            blocks (`annot.policies.experts`), if any, plus those DeepSpeed's own config
+            defaults name (``zero_optimization.leaf_module``); ``()``: none at all.
         hpz_partition_size, quantized_weights, quantized_gradients: ZeRO++ for stage 3
             (`annot.deepspeed_config`): hierarchical partitioning over groups of N
             consecutive ranks (a node), quantized weight / gradient collectives (GPU only).
@@ -264,6 +265,12 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
             raise ValueError(
                 f"leaf_modules is a ZeRO-3 setting, but the ZeRO stage is {stage}: use stage=3 "
                 "or drop leaf_modules")
+        if options.leaf_modules is not None and options.config is None:
+            # DeepSpeed 0.19 also marks leaves of its own at initialize (its config's
+            # zero_optimization.leaf_module defaults name Mixtral's and Qwen2/3-MoE's
+            # blocks): leaf_modules= given means exactly those, so the config names none.
+            self.config["zero_optimization"]["leaf_module"] = {
+                "classes": [], "names": [], "name_suffixes": []}
         refuse_other_accelerator(request.device)  # last: it imports DeepSpeed
 
     @property
