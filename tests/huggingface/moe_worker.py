@@ -10,7 +10,7 @@ shared seed, ``annot.auto_wrap`` it, train `STEPS` SGD steps on this rank's rows
 record per step the loss averaged over ranks and every gradient, whole. A pair's failure
 is recorded with its traceback and the others still run. Rank 0 writes
 ``{pair: {"losses", "grads", "aux", "norms", "leaves"} or {"error"}}`` to OUT (``leaves``: the
-ZeRO-3 leaf modules' paths).
+ZeRO-3 leaf modules' paths; ``stacks``: rank 0's local shape of each FSDP2 expert stack).
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def train(scenario: str, name: str) -> dict:
     trainer = annot.auto_wrap(build(name), engine, checkpoint=scenario.endswith("-checkpoint"),
                               optimizer=make_optimizer, **options)
     rank, world = dist.get_rank(), dist.get_world_size()
+    # What this rank keeps of each expert stack (FSDP2: its rows, i.e. its experts).
+    stacks = {n: tuple(p.to_local().shape) for n, p in trainer.model.named_parameters()
+              if n.endswith("experts.gate_up_proj") and hasattr(p, "to_local")}
     losses, grads, aux, norms = [], [], [], []
     for ids in batches():
         out = trainer(input_ids=rank_rows(ids, rank), labels=rank_rows(ids, rank))
@@ -67,7 +70,8 @@ def train(scenario: str, name: str) -> dict:
 
         chosen = {id(m) for m in get_z3_leaf_modules(trainer.model)}
         leaves = [path for path, m in trainer.model.named_modules() if id(m) in chosen]
-    return {"losses": losses, "grads": grads, "aux": aux, "norms": norms, "leaves": leaves}
+    return {"losses": losses, "grads": grads, "aux": aux, "norms": norms, "leaves": leaves,
+            "stacks": stacks}
 
 
 def run(*pairs: str) -> dict[str, dict]:

@@ -69,6 +69,8 @@ def _compare(results: dict, pair: str) -> None:
         assert all(norm > CLIP_NORM for norm in want["norms"]), "the clip would not scale"
         torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]),
                                    rtol=LOSS_RTOL, atol=0, msg=f"{pair}: gradient norms")
+    if scenario.startswith("fsdp2"):  # the fused stacks sharded by expert: 2 of 4 per rank
+        assert len(got["stacks"]) == 2 and all(shape[0] == 2 for shape in got["stacks"].values()), pair
     if scenario.startswith("zero3"):  # each MoE block gathered whole
         assert got["leaves"] == ["model.layers.0.mlp", "model.layers.1.mlp"], pair
     if name != "deepseek_v3":  # the load-balancing loss is in the loss trained
