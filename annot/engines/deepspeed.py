@@ -278,7 +278,8 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         return int(self.config.get("zero_optimization", {}).get("stage", 0))
 
     def checkpoint_paths(self, model: nn.Module, plan: Plan, choice: bool | None) -> list[str]:
-        return _without_shared_parameters(model, super().checkpoint_paths(model, plan, choice))
+        paths = _without_shared_parameters(model, super().checkpoint_paths(model, plan, choice))
+        return _without_recorded_router_logits(model, plan, paths)
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions,
                 checkpoint_paths: Sequence[str]) -> None:
@@ -398,6 +399,31 @@ def _without_shared_parameters(model: nn.Module, paths: list[str]) -> list[str]:
             logging.getLogger("annot").warning(
                 "not checkpointing %s with DeepSpeed: it shares a parameter with a module "
                 "outside it (tied weights), which reentrant checkpointing cannot handle", path)
+        else:
+            keep.append(path)
+    return keep
+
+
+def _without_recorded_router_logits(model: nn.Module, plan: Plan, paths: list[str]) -> list[str]:
+    """``paths`` less the modules holding one of the Plan's MoE blocks, when the model
+    records its routers' outputs for the load-balancing loss (transformers'
+    ``output_router_logits=True``: forward hooks keep the router logits, and the loss is
+    computed from them after the layers ran). DeepSpeed's checkpoint is reentrant: the
+    checkpointed forward runs without autograd, so the recorded logits carry no gradient
+    and the load-balancing term stops training the routers while the loss value stays
+    the same (measured: tiny Mixtral, Qwen3-MoE and gpt-oss on 2 ranks, loss off from the
+    second step; docs/design.md, pitfall 37). Dropped paths are logged."""
+    config = getattr(model, "config", None)
+    if not plan.moe or not getattr(config, "output_router_logits", False):
+        return paths
+    keep = []
+    for path in paths:
+        if any(block.path == path or block.path.startswith(path + ".") or not path
+               for block in plan.moe):
+            logging.getLogger("annot").warning(
+                "not checkpointing %s with DeepSpeed: it holds an MoE block whose router "
+                "logits the load-balancing loss reads (output_router_logits=True), and "
+                "DeepSpeed's reentrant checkpoint would cut their gradient", path or "(root)")
         else:
             keep.append(path)
     return keep

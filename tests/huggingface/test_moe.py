@@ -108,3 +108,17 @@ def test_every_moe_model_trains_like_one_process_on_every_engine(tmp_path):
         except AssertionError as exc:
             failures.append(f"{pair}: {str(exc)[:2000]}")
     assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.parametrize(("name", "checkpointed"), [
+    ("mixtral", []),  # records router logits for its load-balancing loss
+    ("deepseek_v3", ["model.layers.0", "model.layers.1"]),  # no such loss
+])
+def test_deepspeed_does_not_checkpoint_moe_layers_whose_router_logits_are_recorded(name, checkpointed):
+    # DeepSpeed's reentrant checkpoint would cut the recorded logits' gradient: the
+    # zero3-checkpoint sweep pairs lost the load-balancing gradient before this.
+    pytest.importorskip("deepspeed")
+    from annot.engines.deepspeed import DeepSpeed
+
+    model = _meta(name)
+    assert DeepSpeed().checkpoint_paths(model, annot.plan(model), True) == checkpointed
