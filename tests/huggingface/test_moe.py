@@ -64,11 +64,11 @@ def _compare(results: dict, pair: str) -> None:
     scenario, _, name = pair.partition(":")
     want = reference(name, clip=scenario.endswith("-clip"))
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
-                               rtol=LOSS_RTOL, atol=0, msg=f"{pair}: losses")
+                               rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{pair}: losses: {m}")
     if scenario.endswith("-clip"):  # the norm over every rank's shards, before clipping
         assert all(norm > CLIP_NORM for norm in want["norms"]), "the clip would not scale"
         torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]),
-                                   rtol=LOSS_RTOL, atol=0, msg=f"{pair}: gradient norms")
+                                   rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{pair}: gradient norms: {m}")
     if scenario.startswith("fsdp2"):  # the fused stacks sharded by expert: 2 of 4 per rank
         assert len(got["stacks"]) == 2 and all(shape[0] == 2 for shape in got["stacks"].values()), pair
     if scenario.startswith("zero3"):  # each MoE block gathered whole
@@ -78,8 +78,9 @@ def _compare(results: dict, pair: str) -> None:
     for step, (grads, expected) in enumerate(zip(got["grads"], want["grads"], strict=True)):
         assert grads.keys() == expected.keys(), f"{pair}: parameter names differ"
         for key, grad in grads.items():
-            torch.testing.assert_close(grad, expected[key], rtol=0, atol=GRAD_ATOL,
-                                       msg=f"{pair}: step {step} gradient of {key}")
+            torch.testing.assert_close(
+                grad, expected[key], rtol=0, atol=GRAD_ATOL,
+                msg=lambda m, step=step, key=key: f"{pair}: step {step} gradient of {key}: {m}")
 
 
 def _launch(tmp_path: Path, pairs: tuple[str, ...]) -> dict:
@@ -106,7 +107,7 @@ def test_every_moe_model_trains_like_one_process_on_every_engine(tmp_path):
         try:
             _compare(results, pair)
         except AssertionError as exc:
-            failures.append(f"{pair}: {str(exc)[:2000]}")
+            failures.append(str(exc)[:2000])
     assert not failures, "\n\n".join(failures)
 
 
