@@ -7,7 +7,11 @@ batch's sequences; parameters are sharded over ``shard x cp``) and ``tp`` (tenso
 parallel, innermost: consecutive ranks), the order torchtitan uses ([dp_replicate,
 dp_shard, cp, tp]). The
 names are also the dimension names of the device mesh the engines build from it
-(`annot.engines.mesh`). Pure data: no torch, so the Plan can carry it.
+(`annot.engines.mesh`). ``ep`` (expert parallelism: each MoE layer's experts split over
+``ep`` ranks, tokens sent to their experts' ranks) spans no ranks of its own: it splits
+the ranks of the data-parallel dimensions (torchtitan borrows it from dp_shard the same
+way), so it takes no part in the product; it must divide ``replicate x shard``. Pure
+data: no torch, so the Plan can carry it.
 """
 
 from __future__ import annotations
@@ -39,12 +43,18 @@ class ParallelDims:
     shard: int = -1
     cp: int = 1
     tp: int = 1
+    #: Expert parallelism (see the module docstring): asked for, and refused by every
+    #: engine today (`annot.engines.mesh.refuse_expert_parallel`).
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name, size in self.sizes.items():
+        for name, size in {**self.sizes, "ep": self.ep}.items():
             if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
                 raise ValueError(f"ParallelDims({name}={size!r}): a size is a positive int, "
                                  "or -1 for the rest of the world")
+        if self.ep == -1:
+            raise ValueError("ParallelDims(ep=-1): ep takes no rest of the world (it splits the "
+                             "data-parallel ranks); give the number of ranks the experts span")
         rest = [name for name, size in self.sizes.items() if size == -1]
         if len(rest) > 1:
             raise ValueError(f"ParallelDims: {' and '.join(rest)} are both -1; at most one "
@@ -70,6 +80,7 @@ class ParallelDims:
                 raise ValueError(
                     f"{self} spans {known} ranks, but the world has {world}: give sizes "
                     f"whose product is {world}, or shard=-1 for the rest")
+            self._check_ep()
             return self
         if world % known:
             raise ValueError(
@@ -82,7 +93,15 @@ class ParallelDims:
                 f"rank, so nothing is {_VERB[rest]}. Give a smaller "
                 f"{' or '.join(n for n, s in self.sizes.items() if s > 1)}, or set {rest}=1 "
                 "if that is what you mean")
-        return dataclasses.replace(self, **{rest: world // known})
+        resolved = dataclasses.replace(self, **{rest: world // known})
+        resolved._check_ep()
+        return resolved
+
+    def _check_ep(self) -> None:
+        data = self.replicate * self.shard
+        if data % self.ep:
+            raise ValueError(f"{self}: ep={self.ep} must divide the data-parallel ranks "
+                             f"(replicate x shard = {data}): experts are split among them")
 
     @property
     def world(self) -> int | None:
@@ -94,7 +113,8 @@ class ParallelDims:
         only when it is not 1)."""
         dims = " x ".join(f"{n} {'rest' if s == -1 else s}" for n, s in self.sizes.items()
                           if n != "cp" or s != 1)
-        return dims + (f" ({self.world} ranks)" if self.world is not None else "")
+        experts = f", experts over ep {self.ep}" if self.ep != 1 else ""
+        return dims + (f" ({self.world} ranks)" if self.world is not None else "") + experts
 
     def meaning(self) -> str:
         """What the layout does, in words (``"HSDP: 2 replicas, each sharded over 4 ranks"``)."""
@@ -111,22 +131,27 @@ class ParallelDims:
                      " (context parallel; parameters sharded over shard x cp)")
         if sizes["tp"] != 1:
             data += f", tensor parallel over {'the rest' if sizes['tp'] == -1 else sizes['tp']}"
+        if self.ep != 1:
+            # Said where the layout is shown (annot plan --parallel), not only when wrapping.
+            data += (f", each MoE layer's experts split over {self.ep} ranks (not available "
+                     "yet: every engine refuses ep > 1)")
         return data
 
     def __str__(self) -> str:
-        return "ParallelDims(" + ", ".join(f"{n}={s}" for n, s in self.sizes.items()
-                                           if n != "cp" or s != 1) + ")"
+        return "ParallelDims(" + ", ".join(f"{n}={s}" for n, s in self.to_dict().items()) + ")"
 
     def to_dict(self) -> dict[str, int]:
-        # cp=1 is left out, so a Plan's JSON without context parallelism keeps its shape.
-        return {n: s for n, s in self.sizes.items() if n != "cp" or s != 1}
+        """The sizes, ``cp`` and ``ep`` only where they are not 1 (a Plan's JSON without
+        context or expert parallelism keeps its shape)."""
+        sizes = {n: s for n, s in self.sizes.items() if n != "cp" or s != 1}
+        return {**sizes, **({"ep": self.ep} if self.ep != 1 else {})}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelDims:
-        unknown = set(data) - set(DIM_NAMES)
+        unknown = set(data) - {*DIM_NAMES, "ep"}
         if unknown:
             raise ValueError(f"ParallelDims has no dimension {', '.join(sorted(unknown))}; "
-                             f"it has {', '.join(DIM_NAMES)}")
+                             f"it has {', '.join((*DIM_NAMES, 'ep'))}")
         return cls(**{k: int(v) for k, v in data.items()})
 
     @classmethod

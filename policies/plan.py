@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from annot.policies.errors import PlanError
+from annot.policies.experts import MoeBlock, describe_moe
 from annot.policies.marks import Action
 from annot.policies.parallel import ParallelDims
 from annot.policies.rules import format_count
@@ -143,6 +144,8 @@ class Plan:
     #: The parallel dimensions asked for (`annot.plan(..., parallel=...)`), if any; the
     #: engines build their device mesh from it when ``auto_wrap`` gets no ``mesh=``.
     parallel: ParallelDims | None = None
+    #: The model's mixture-of-experts blocks (`annot.policies.experts`), module order.
+    moe: tuple[MoeBlock, ...] = ()
 
     def unit(self, path: str) -> Unit:
         for unit in self.units:
@@ -168,6 +171,7 @@ class Plan:
             "total_bytes": dict(self.total_bytes),
             "warnings": list(self.warnings),
             **({"parallel": self.parallel.to_dict()} if self.parallel is not None else {}),
+            **({"moe": [block.to_dict() for block in self.moe]} if self.moe else {}),
         }
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -189,6 +193,7 @@ class Plan:
                 total_bytes={str(k): int(v) for k, v in data.get("total_bytes", {}).items()},
                 warnings=tuple(data.get("warnings", ())),
                 parallel=ParallelDims.from_dict(data["parallel"]) if "parallel" in data else None,
+                moe=tuple(MoeBlock.from_dict(block) for block in data.get("moe", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"not a valid plan: {type(exc).__name__}: {exc}") from None
@@ -249,6 +254,7 @@ class Plan:
                 lines.append(f"group: {' + '.join(u.modules)} (one shard unit)")
         for group in self.tied:
             lines.append(f"tied: {' = '.join(group)}")
+        lines += describe_moe(self.moe)
         if self.parallel is not None:
             lines.append(f"parallel: {self.parallel.describe()}: {self.parallel.meaning()}")
         for warning in self.warnings:

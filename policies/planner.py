@@ -4,7 +4,7 @@ The steps, in order: pick the policy (given, else marks, else HuggingFace metada
 run each action's rule; apply overrides; find which shard unit owns each parameter;
 group or reject tied parameters split across units; count trainable parameters per
 unit and warn where a unit mixes dtypes, naming the engines that take it (each engine
-refuses what it cannot shard). Every error names the module paths and the fix.
+refuses what it cannot shard); list the mixture-of-experts blocks (`annot.policies.experts`). Every error names the module paths and the fix.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from annot.policies.errors import PlanError
+from annot.policies.experts import find_moe_blocks
 from annot.policies.marks import Action, effective_mark
 from annot.policies.model_index import ModelIndex, is_under, parent_path, qualified_class_name
 from annot.policies.plan import Plan, RootInfo, Unit
@@ -131,6 +132,7 @@ def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
         total_params=sum(p.numel() for p in model.parameters()),
         total_bytes=_bytes_by_dtype(model.parameters()),
         warnings=tuple(warnings),
+        moe=tuple(find_moe_blocks(index)),
     )
 
 

@@ -23,7 +23,8 @@ PAGES = ["README.md"] + sorted(
 EXPECTED_OUTPUT = {
     "README.md": ["Plan for GPT", "loss after 3 steps:", "llama, 3 steps: loss"],
     "docs/guides/plan-and-policies.md": ["tied parameters are split across shard units"],
-    "docs/guides/engines.md": ["loss after 3 steps:"],
+    "docs/guides/engines.md": ["loss after 3 steps:", "moe: model.layers.[0-1].mlp",
+                               "refused: ParallelDims(replicate=1, shard=-1, tp=1, ep=2)"],
     "docs/guides/huggingface.md": ["LlamaDecoderLayer", "llama, 3 steps: loss"],
     "docs/guides/trainers.md": ["LlamaDecoderLayer", "lightning, 3 steps: loss",
                                 "hf trainer, 3 steps: loss"],

@@ -8,7 +8,10 @@ The engine contract's steps (`annot.engines.base`) for DeepSpeed:
    names unchanged, as with torch engines); ZeRO-3 leaf modules marked (``leaf_modules``,
    e.g. MoE blocks, whose experts run in a different order each step): ZeRO-3 then
    gathers a leaf's parameters all at once when the leaf is entered instead of hooking
-   its submodules, which must happen before ``deepspeed.initialize`` installs those hooks;
+   its submodules, which must happen before ``deepspeed.initialize`` installs those hooks.
+   Without ``leaf_modules`` the Plan's MoE blocks (`annot.policies.experts`) are the
+   leaves, so routing that differs across ranks cannot leave ranks waiting on each
+   other's gathers;
 2. `DeepSpeed.wrap`: a model built under `annot.meta_init` is, with ZeRO-3, allocated
    and partitioned one unit at a time (``deepspeed.zero.Init(module=unit)``);
 3. `DeepSpeed.fill`: the partitions (or, with ZeRO-1/2, the whole parameters) get their
@@ -68,6 +71,7 @@ __all__ = [
     "refresh_secondary_partitions",
     "refuse_other_accelerator",
     "set_leaf_modules",
+    "set_moe_leaves",
     "shard_layout",
 ]
 
@@ -129,6 +133,29 @@ def set_leaf_modules(model: nn.Module, leaf_modules: LeafModules) -> list[str]:
     return paths
 
 
+def set_moe_leaves(model: nn.Module, paths: Sequence[str]) -> None:
+    """Mark the MoE blocks at ``paths`` (the Plan's) as ZeRO-3 leaves, and say so.
+
+    Each rank runs only the experts its tokens are routed to, in its own order, while
+    ZeRO-3 gathers a module's parameters in a collective when the module is entered and
+    prefetches along the order it traced: with per-expert modules, ranks routing
+    differently then wait on different gathers and hang. A leaf is gathered whole on
+    entry (router, every expert, shared experts), which every rank does at the same
+    point of the forward."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    for path in paths:
+        set_z3_leaf_module(model.get_submodule(path), True)
+    logging.getLogger("annot").info(
+        "ZeRO-3: %d MoE block(s) gathered whole as leaf modules (%s%s); pass leaf_modules= "
+        "to choose others", len(paths), ", ".join(paths[:3]), ", ..." if len(paths) > 3 else "")
+
+
+def _no_leaves(leaf_modules: LeafModules) -> bool:
+    """``leaf_modules=()`` (or ``[]``): no leaves at all, not even the Plan's MoE blocks."""
+    return not isinstance(leaf_modules, (Rule, str, type)) and len(leaf_modules) == 0
+
+
 _DEEPSPEED_PRECISION = {None: None, torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -149,7 +176,9 @@ class DeepSpeedOptions:
         config: a whole DeepSpeed config to use instead of the one
             `annot.deepspeed_config` writes from the options above (then leave them out).
         leaf_modules: ZeRO-3 leaves (classes, class names, or a rule selecting module
-            instances, e.g. MoE blocks), gathered whole on entry.
+            instances), gathered whole on entry, and no others. ``None``: the Plan's MoE
+            blocks (`annot.policies.experts`), if any, plus those DeepSpeed's own config
+            defaults name (``zero_optimization.leaf_module``); ``()``: none at all.
         hpz_partition_size, quantized_weights, quantized_gradients: ZeRO++ for stage 3
             (`annot.deepspeed_config`): hierarchical partitioning over groups of N
             consecutive ranks (a node), quantized weight / gradient collectives (GPU only).
@@ -240,6 +269,12 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
             raise ValueError(
                 f"leaf_modules is a ZeRO-3 setting, but the ZeRO stage is {stage}: use stage=3 "
                 "or drop leaf_modules")
+        if options.leaf_modules is not None and options.config is None:
+            # DeepSpeed 0.19 also marks leaves of its own at initialize (its config's
+            # zero_optimization.leaf_module defaults name Mixtral's and Qwen2/3-MoE's
+            # blocks): leaf_modules= given means exactly those, so the config names none.
+            self.config["zero_optimization"]["leaf_module"] = {
+                "classes": [], "names": [], "name_suffixes": []}
         refuse_other_accelerator(request.device)  # last: it imports DeepSpeed
 
     @property
@@ -247,7 +282,8 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         return int(self.config.get("zero_optimization", {}).get("stage", 0))
 
     def checkpoint_paths(self, model: nn.Module, plan: Plan, choice: bool | None) -> list[str]:
-        return _without_shared_parameters(model, super().checkpoint_paths(model, plan, choice))
+        paths = _without_shared_parameters(model, super().checkpoint_paths(model, plan, choice))
+        return _without_recorded_router_logits(model, plan, paths)
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions,
                 checkpoint_paths: Sequence[str]) -> None:
@@ -261,7 +297,10 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
             deepspeed.checkpointing.configure(None, deepspeed_config=self.config)
         apply_checkpointing(model, checkpoint_paths, self.checkpoint_function())
         if options.leaf_modules is not None:
-            set_leaf_modules(model, options.leaf_modules)
+            if not _no_leaves(options.leaf_modules):
+                set_leaf_modules(model, options.leaf_modules)
+        elif self.stage == 3 and request.plan.moe:
+            set_moe_leaves(model, [block.path for block in request.plan.moe])
 
     def wrap(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions) -> nn.Module:
         if request.deferred and self.stage == 3 and not _params_swapped_to_nvme(self.config):
@@ -364,6 +403,31 @@ def _without_shared_parameters(model: nn.Module, paths: list[str]) -> list[str]:
             logging.getLogger("annot").warning(
                 "not checkpointing %s with DeepSpeed: it shares a parameter with a module "
                 "outside it (tied weights), which reentrant checkpointing cannot handle", path)
+        else:
+            keep.append(path)
+    return keep
+
+
+def _without_recorded_router_logits(model: nn.Module, plan: Plan, paths: list[str]) -> list[str]:
+    """``paths`` less the modules holding one of the Plan's MoE blocks, when the model
+    records its routers' outputs for the load-balancing loss (transformers'
+    ``output_router_logits=True``: forward hooks keep the router logits, and the loss is
+    computed from them after the layers ran). DeepSpeed's checkpoint is reentrant: the
+    checkpointed forward runs without autograd, so the recorded logits carry no gradient
+    and the load-balancing term stops training the routers while the loss value stays
+    the same (measured: tiny Mixtral, Qwen3-MoE and gpt-oss on 2 ranks, loss off from the
+    second step; docs/design.md, pitfall 43). Dropped paths are logged."""
+    config = getattr(model, "config", None)
+    if not plan.moe or not getattr(config, "output_router_logits", False):
+        return paths
+    keep = []
+    for path in paths:
+        if any(block.path == path or block.path.startswith(path + ".") or not path
+               for block in plan.moe):
+            logging.getLogger("annot").warning(
+                "not checkpointing %s with DeepSpeed: it holds an MoE block whose router "
+                "logits the load-balancing loss reads (output_router_logits=True), and "
+                "DeepSpeed's reentrant checkpoint would cut their gradient", path or "(root)")
         else:
             keep.append(path)
     return keep

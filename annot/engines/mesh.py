@@ -24,7 +24,8 @@ from annot.policies.parallel import DIM_NAMES, ParallelDims
 
 __all__ = [
     "SHARD_CP", "MeshLike", "build_mesh", "context_parallel_mesh", "data_parallel_mesh",
-    "refuse_context_parallel", "refuse_plan_dims", "resolve_mesh", "split_mesh",
+    "refuse_context_parallel", "refuse_expert_parallel", "refuse_plan_dims", "resolve_mesh",
+    "split_mesh",
 ]
 
 #: The name of the flattened ``("shard", "cp")`` dimension FSDP2 shards over.
@@ -52,6 +53,7 @@ def resolve_mesh(mesh: MeshLike | None, plan_dims: ParallelDims | None,
         raise ValueError(f"mesh={mesh} differs from the Plan's parallel dims {plan_dims}: "
                          "give them in one place")
     dims = mesh if isinstance(mesh, ParallelDims) else plan_dims if mesh is None else None
+    refuse_expert_parallel(dims, engine)
     if dims is not None:
         require_process_group(engine)
         return build_mesh(dims, device_type)
@@ -60,9 +62,26 @@ def resolve_mesh(mesh: MeshLike | None, plan_dims: ParallelDims | None,
     return mesh
 
 
+def refuse_expert_parallel(dims: ParallelDims | None, engine: str) -> None:
+    """Expert parallelism (``ParallelDims(ep=N)``, N > 1) is refused by every engine, before
+    the model changes: annot does not split experts across ranks yet. Ignoring the ask
+    would train correctly but keep every expert's shard on every data-parallel rank, which
+    is not what the user sized their run for; a half-built split (experts divided, tokens
+    not exchanged, or expert gradients reduced over the wrong ranks) would train wrongly
+    without a word."""
+    if dims is not None and dims.ep != 1:
+        raise ValueError(
+            f"{dims}: expert parallelism (ep={dims.ep}) is not available in annot yet, for engine "
+            f"{engine!r} or any other. Drop ep= (ParallelDims(ep=1)): FSDP2 and ZeRO-3 then shard "
+            "each MoE layer's fused expert stacks over the data-parallel ranks like any other "
+            "parameter (the Plan's 'moe:' lines list them)")
+
+
 def refuse_plan_dims(plan_dims: ParallelDims | None, engine: str, instead: str) -> None:
     """An engine without meshes (DDP, DeepSpeed) cannot honour a Plan whose parallel
-    dims ask for replicas or tensor parallelism: refused rather than ignored."""
+    dims ask for replicas or tensor parallelism: refused rather than ignored (expert
+    parallelism first, with its own reason: `refuse_expert_parallel`)."""
+    refuse_expert_parallel(plan_dims, engine)
     refuse_context_parallel(plan_dims, engine)
     if plan_dims is not None and (plan_dims.replicate != 1 or plan_dims.tp != 1):
         raise ValueError(f"the Plan's parallel dims {plan_dims} need a device mesh, which engine "

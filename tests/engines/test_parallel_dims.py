@@ -186,3 +186,36 @@ def test_cp_is_flattened_with_shard_for_fsdp2(world4):
 def test_cp_without_an_optimizer_is_refused(world4):
     with pytest.raises(ValueError, match="context parallelism .* needs optimizer="):
         annot.auto_wrap(gpt(), "fsdp2", mesh=annot.ParallelDims(shard=2, cp=2))
+
+
+def test_expert_parallel_splits_the_data_parallel_ranks_without_spanning_its_own():
+    dims = annot.ParallelDims(ep=2).resolve(4)
+    assert (dims.sizes, dims.ep, dims.world) == ({"replicate": 1, "shard": 4, "cp": 1, "tp": 1}, 2, 4)
+    assert annot.ParallelDims.from_dict(dims.to_dict()) == dims
+    assert "ep" not in annot.ParallelDims().to_dict()  # plans without experts read as before
+    assert "experts split over 2 ranks" in dims.meaning()
+
+
+@pytest.mark.parametrize(("dims", "world", "match"), [
+    (dict(ep=3), 4, "ep=3 must divide the data-parallel ranks.*= 4"),
+    (dict(shard=2, tp=2, ep=4), 4, "ep=4 must divide the data-parallel ranks.*= 2"),
+])
+def test_expert_parallel_that_does_not_divide_the_data_parallel_ranks_is_refused(dims, world, match):
+    with pytest.raises(ValueError, match=match):
+        annot.ParallelDims(**dims).resolve(world)
+
+
+def test_expert_parallel_takes_no_rest_of_the_world():
+    with pytest.raises(ValueError, match="ep takes no rest of the world"):
+        annot.ParallelDims(ep=-1)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1", "ddp", "deepspeed"])
+def test_every_engine_refuses_expert_parallel_before_the_model_changes(world4, engine):
+    model = gpt()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plan = annot.plan(model, parallel=annot.ParallelDims(ep=2))
+    with pytest.raises(ValueError, match=f"expert parallelism \\(ep=2\\) is not available.*{engine}"):
+        annot.auto_wrap(model, engine, plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert all(torch.equal(p, before[n]) and not hasattr(p, "device_mesh")
+               for n, p in model.named_parameters())

@@ -43,3 +43,25 @@ def test_leaf_modules_outside_zero3_are_refused_before_deepspeed_starts():
     with pytest.raises(ValueError, match="ZeRO-3 setting.*stage is 2"):
         request = WrapRequest(annot.plan(model), torch.device("cpu"), deferred=False)
         DeepSpeed().check(model, request, options)  # auto_wrap's check step
+
+
+def test_the_plans_moe_blocks_become_leaves():
+    from annot.engines.deepspeed import set_moe_leaves
+    from tests.test_experts import FusedExperts, Model
+
+    model = Model(lambda: FusedExperts(4))
+    plan = annot.plan(model, annot.by_name("layers.*"))
+    set_moe_leaves(model, [block.path for block in plan.moe])
+    assert get_z3_leaf_modules(model) == list(model.layers)
+
+
+@pytest.mark.parametrize(("leaf_modules", "exact"), [((), True), ([MLP], True), (None, False)])
+def test_leaf_modules_given_turn_deepspeeds_own_default_leaves_off(leaf_modules, exact):
+    # DeepSpeed 0.19 marks Mixtral's and Qwen-MoE's blocks itself at initialize unless its
+    # config's zero_optimization.leaf_module names none.
+    model = gpt()
+    engine = DeepSpeed()
+    request = WrapRequest(annot.plan(model), torch.device("cpu"), deferred=False)
+    engine.check(model, request, DeepSpeedOptions(stage=3, leaf_modules=leaf_modules))
+    leaf_config = engine.config["zero_optimization"].get("leaf_module")
+    assert (leaf_config == {"classes": [], "names": [], "name_suffixes": []}) == exact
