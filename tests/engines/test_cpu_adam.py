@@ -97,11 +97,13 @@ def test_other_optimizers_and_cpu_adam_false_are_left_alone():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_zero_offload_trains_and_resumes_on_the_built_cpu_adam(one_rank, tmp_path):
+def test_zero_offload_trains_and_resumes_on_the_built_cpu_adam(one_rank, tmp_path, monkeypatch):
     """The real kernel (JIT-built on first use: minutes once per machine) on DeepSpeed's
     CPU accelerator with cpu_adam=True: 3 steps within 1e-5 of torch's AdamW on the same
     batches, and a save/resume bitwise (CPU Adam's int step through the state)."""
     import annot
+
+    monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed reads it itself (torchrun sets it)
     from tests.engines.small_gpt import gpt, tokens
 
     def train(trainable, model, steps):
