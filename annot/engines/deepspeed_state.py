@@ -165,6 +165,9 @@ class DeepSpeedState:
         keys: dict[str, bool] = {}
         for partition in self._partitions():
             for key, value in self.inner.state.get(partition, {}).items():
+                if self._python_scalars and isinstance(value, int | float):
+                    keys[key] = False  # CPU Adam's step: saved as a tensor (`_scalar`)
+                    continue
                 if not isinstance(value, torch.Tensor):
                     raise CheckpointError(f"optimizer state {key!r} is {type(value).__name__}, not a tensor")
                 if value.shape == partition.shape:
