@@ -96,3 +96,23 @@ def test_the_parity_row_fails_when_the_sharded_model_differs(monkeypatch):
     monkeypatch.setattr(training, "auto_wrap", nudged)
     [row] = command.run_rows("cpu", ["fsdp2_parity_fp32"])
     assert row["status"] == "fail" and row["max_param_diff"] > 1e-6, row
+
+
+@pytest.mark.parametrize(("ranks_on_node", "backend"), [("1", "cpu:gloo,cuda:nccl"), ("2", "gloo")])
+def test_the_rows_join_the_group_annot_devices_chooses(monkeypatch, ranks_on_node, backend):
+    """The world-one group is `annot.init_distributed`'s, with `distributed_backend`'s
+    choice (one GPU mocked; two ranks on it are NCCL's refusal, so gloo)."""
+    from annot.verify import context
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    # What start_group would set for torchrun, set here so that the test restores it.
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                        ("LOCAL_WORLD_SIZE", ranks_on_node), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    joined = []
+    monkeypatch.setattr(context, "init_distributed",
+                        lambda backend, **kw: joined.append((backend, kw["device"])))
+    context.Context(torch.device("cuda", 0)).start_group()
+    assert joined == [(backend, torch.device("cuda", 0))]

@@ -47,6 +47,7 @@ from annot.engines.base import (
     trained_parameters,
 )
 from annot.engines.deepspeed_config import deepspeed_config
+from annot.engines.deepspeed_cpu_adam import host_optimizer_factory
 from annot.engines.deepspeed_partitions import (
     partition_range,
     refresh_secondary_partitions,
@@ -179,6 +180,11 @@ class DeepSpeedOptions:
             instances), gathered whole on entry, and no others. ``None``: the Plan's MoE
             blocks (`annot.policies.experts`), if any, plus those DeepSpeed's own config
             defaults name (``zero_optimization.leaf_module``); ``()``: none at all.
+        cpu_adam: with the optimizer state offloaded, whether DeepSpeed's CPU Adam steps
+            in place of torch's Adam/AdamW (`annot.engines.deepspeed_cpu_adam`): ``None``
+            where DeepSpeed's accelerator is a GPU, with a warning naming the cost when
+            it cannot be built; ``True`` on any accelerator, an error when it cannot be
+            built; ``False`` keeps the optimizer the factory returns.
         hpz_partition_size, quantized_weights, quantized_gradients: ZeRO++ for stage 3
             (`annot.deepspeed_config`): hierarchical partitioning over groups of N
             consecutive ranks (a node), quantized weight / gradient collectives (GPU only).
@@ -191,6 +197,7 @@ class DeepSpeedOptions:
     mixed_precision: torch.dtype | str | None = None
     config: dict[str, Any] | None = None
     leaf_modules: LeafModules | None = None
+    cpu_adam: bool | None = None
     hpz_partition_size: int = 1
     quantized_weights: bool = False
     quantized_gradients: bool = False
@@ -232,6 +239,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
 
     def __init__(self) -> None:
         self.config: dict[str, Any] = {}
+        self.cpu_adam: bool | None = None
 
     # Until 0.2.0 auto_wrap took reshard_after_forward for every engine; for DeepSpeed it
     # chose the stage (True: 3, the default then; False: 2) when config= was not given.
@@ -264,6 +272,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
             hpz_partition_size=options.hpz_partition_size,
             quantized_weights=options.quantized_weights,
             quantized_gradients=options.quantized_gradients)
+        self.cpu_adam = options.cpu_adam
         stage = self.stage
         if options.leaf_modules is not None and stage != 3:
             raise ValueError(
@@ -333,7 +342,10 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
     def trainable(self, wrapped: nn.Module, model: nn.Module, optimizer: OptimizerFactory,
                   options: DeepSpeedOptions, *, device: torch.device | None = None) -> Trainable:
         import deepspeed
+        from deepspeed.accelerator import get_accelerator
 
+        optimizer = host_optimizer_factory(optimizer, self.config, choice=self.cpu_adam,
+                                           on_gpu=get_accelerator().device_name() != "cpu")
         # DeepSpeed takes its GPU from LOCAL_RANK unless told (an invalid ordinal under srun
         # with one GPU per task): ``device_rank`` is the one annot chose.
         args = SimpleNamespace(device_rank=device.index) if device is not None and device.type == "cuda" else None

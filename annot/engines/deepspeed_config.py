@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from annot.errors import EngineNotAvailableError
+from annot.host_memory import pin_host_memory
 from annot.planning import resolve_plan
 from annot.policies import Action, Plan
 
@@ -141,7 +142,8 @@ def deepspeed_config(
     if target is not None:
         if stage == 0:
             raise ValueError("offload needs ZeRO stage 1 or more (stage 3 to offload parameters)")
-        device: dict[str, Any] = {"device": target, "pin_memory": torch.cuda.is_available()}
+        pin = _pin_offloaded_state(plan, with_params=stage == 3 and offload_params is not False)
+        device: dict[str, Any] = {"device": target, "pin_memory": pin}
         if target == "nvme":
             device["nvme_path"] = nvme_path
         zero["offload_optimizer"] = dict(device)
@@ -243,6 +245,22 @@ def _zero_plus_plus(stage: int, hpz_partition_size: int, quantized_weights: bool
             "ZeRO++ quantized_weights / quantized_gradients need DeepSpeed's CUDA quantizer "
             "kernels: use them on GPUs, or drop them on CPU (hpz_partition_size works on CPU)")
     return asked
+
+
+def _pin_offloaded_state(plan: Plan, *, with_params: bool) -> bool:
+    """Whether ZeRO-Offload's host state goes to pinned memory: on a GPU, and when this
+    rank's partition fits its pinned budget (docs/design.md, pitfall 44). Per trained
+    parameter DeepSpeed keeps on the host an fp32 master copy, Adam's two moments and an
+    fp32 gradient (16 bytes), and with offloaded parameters the parameter itself."""
+    counted = [(u.trainable, u.params, u.bytes) for u in plan.units]
+    counted.append((plan.root.trainable, plan.root.params, plan.root.bytes))
+    nbytes = 16 * sum(params if trainable is None else trainable for trainable, params, _ in counted)
+    if with_params:
+        nbytes += sum(sum(b.values()) for *_, b in counted)
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return pin_host_memory(nbytes // world, "ZeRO-Offload's host state (fp32 master weights, "
+                           "Adam moments and gradients)")
 
 
 def _offload_target(plan: Plan, offload: str | None) -> str | None:

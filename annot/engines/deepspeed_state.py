@@ -99,6 +99,9 @@ class DeepSpeedState:
         # Which attributes hold the parameter groups and the fp32 partitions: they differ
         # between ZeRO's optimizer and BF16_Optimizer (issue #30).
         self._flat_attrs = _flat_attributes(self.zero, self.stage)
+        # DeepSpeed's CPU Adam (ZeRO-Offload) keeps its step count as a Python int, which
+        # its kernel takes as such; torch's optimizers keep a tensor.
+        self._python_scalars = type(self.inner).__name__ == "DeepSpeedCPUAdam"
         self.names = {id(p): n for n, p in self.model.named_parameters()}
         self._layout: ShardLayout | None = None
 
@@ -162,6 +165,9 @@ class DeepSpeedState:
         keys: dict[str, bool] = {}
         for partition in self._partitions():
             for key, value in self.inner.state.get(partition, {}).items():
+                if self._python_scalars and isinstance(value, int | float):
+                    keys[key] = False  # CPU Adam's step: saved as a tensor (`_scalar`)
+                    continue
                 if not isinstance(value, torch.Tensor):
                     raise CheckpointError(f"optimizer state {key!r} is {type(value).__name__}, not a tensor")
                 if value.shape == partition.shape:
@@ -180,6 +186,8 @@ class DeepSpeedState:
         if len({float(v) for v in found}) != 1:
             raise CheckpointError(f"DeepSpeed's partitions disagree on optimizer state {key!r}: "
                                   f"{sorted({float(v) for v in found})}")
+        if not isinstance(found[0], torch.Tensor):  # DeepSpeed's CPU Adam counts in an int
+            return torch.tensor(float(found[0]), dtype=torch.float32)  # as torch's Adam saves it
         return found[0].detach().clone()
 
     def _trained(self) -> list[tuple[str, nn.Parameter]]:
@@ -269,8 +277,10 @@ class DeepSpeedState:
                     raise CheckpointError(
                         f"the checkpoint's optimizer state {key!r} differs between parameters "
                         f"({sorted(distinct)[:4]}), but DeepSpeed keeps one per partition")
+                value = next(iter(values.values()))
                 for partition in self._partitions():
-                    self.inner.state[partition][key] = next(iter(values.values())).clone()
+                    self.inner.state[partition][key] = (int(value.item()) if self._python_scalars
+                                                        else value.clone())
         refresh_secondary_partitions(self.model)  # ZeRO++ hpZ: cut from the values before
         for group, loaded in zip(self.inner.param_groups, groups, strict=True):
             group.update({k: v for k, v in loaded.items() if k != "params"})
@@ -310,6 +320,7 @@ class DeepSpeedState:
             for state_key, per_element in wanted.items():
                 if state_key not in state:
                     state[state_key] = (torch.zeros_like(partition) if per_element
+                                        else 0 if self._python_scalars
                                         else torch.zeros((), dtype=dtypes[state_key]))
         return wanted
 

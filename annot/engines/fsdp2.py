@@ -59,13 +59,14 @@ from annot.engines.tensor_parallel import (
     check_tensor_parallel,
 )
 from annot.engines.training_state import TorchState
+from annot.host_memory import pin_host_memory
 from annot.policies import Action, Plan, Unit
 from annot.policies.parallel import ParallelDims
 from annot.runtime.context_parallel import ContextParallel, refuse_unsplittable
 
 __all__ = [
     "FSDP2", "FSDP2Options", "apply_fsdp2", "holds_fsdp2", "mixed_precision_policy",
-    "refuse_unsynchronised_mesh",
+    "pin_offloaded_state", "refuse_unsynchronised_mesh",
 ]
 
 
@@ -257,9 +258,23 @@ def mixed_precision_policy(
     return MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
 
 
-def _offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
-    # Pinned host memory speeds up host-to-GPU copies; there is no GPU to copy to on CPU.
-    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+def _offload_policy(offload: bool, pin: bool) -> OffloadPolicy:
+    return CPUOffloadPolicy(pin_memory=pin) if offload else OffloadPolicy()
+
+
+def pin_offloaded_state(plan: Plan, offload: bool | None, device: torch.device, world: int) -> bool:
+    """Whether FSDP2's offloaded parameters and gradients (this rank's shard of each
+    offloaded unit: 2 x its bytes / ``world``) go to pinned host memory: only for a GPU
+    (faster host-to-GPU copies; there is none to copy to on the CPU) and within the
+    rank's pinned budget, else pageable with a warning (docs/design.md, pitfall 44)."""
+    units = [u for u in plan.units if u.has(Action.SHARD) and _unit_offloads(u, offload)]
+    held = sum(sum(u.bytes.values()) for u in units)
+    if offload:
+        held += sum(plan.root.bytes.values())
+    if device.type != "cuda" or held == 0:
+        return False
+    return pin_host_memory(2 * held // max(1, world), "FSDP2's offloaded parameters and gradients",
+                           device=device)
 
 
 def _unit_offloads(unit: Unit, offload: bool | None) -> bool:
@@ -289,6 +304,8 @@ def apply_fsdp2(
     # A "tp" dimension was applied in `FSDP2.prepare`; FSDP2 shards over the rest.
     mesh = split_mesh(mesh)[0] if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     mp_policy = mixed_precision_policy(mixed_precision)
+    # The mesh's last dimension is the one FSDP2 shards over (pitfall 25).
+    pin = pin_offloaded_state(plan, offload, device, mesh.shape[-1])
 
     for unit in plan.units:
         if not unit.has(Action.SHARD):
@@ -299,14 +316,14 @@ def apply_fsdp2(
             mesh=mesh,
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy,
-            offload_policy=_offload_policy(_unit_offloads(unit, offload), device),
+            offload_policy=_offload_policy(_unit_offloads(unit, offload), pin),
         )
 
     fully_shard(
         model,
         mesh=mesh,
         mp_policy=mp_policy,
-        offload_policy=_offload_policy(bool(offload), device),
+        offload_policy=_offload_policy(bool(offload), pin),
     )
     return model
 

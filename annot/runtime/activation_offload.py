@@ -14,12 +14,34 @@ Two different things are called "offload" in annot; this module is the first:
 `offload_activations` registers a forward pre-hook and an always-called forward hook on
 a module; they push and pop `torch.autograd.graph.saved_tensors_hooks` around its
 forward. Nothing wraps the module, so parameter and ``state_dict`` names stay the bare
-model's. The pack hook copies into a fresh host tensor (pinned, copied without blocking,
-when the tensor is on CUDA) and remembers the device; the unpack hook copies it back.
-Left where they are, and not counted: parameters and views of them (FSDP2's gathered
-ones included: the engine owns their memory), tensor subclasses such as ``DTensor``, and non-strided layouts.
-On a CPU device the copy is a plain clone: it saves no memory there, and is kept so that
-CPU runs exercise the same round trip as GPU runs (the counters and tests rely on it).
+model's.
+
+What the pack hook does (issue #30; docs/design.md, pitfall 45: torch's ``save_on_cpu``
+copies on the compute stream, into new host memory each time, with no prefetch):
+
+- **What stays**: parameters, views of them, and what autograd reached from a parameter
+  through views and casts alone (`parameter_derived`): under ``torch.autocast`` a bf16
+  weight is a cast of the fp32 parameter, cached by autocast for the whole forward, so
+  copying it to the host frees nothing and costs a weight-sized copy per use (DDP and
+  FSDP1 train under autocast; FSDP2's gathered parameters are themselves parameters).
+  Also left: tensor subclasses such as ``DTensor`` and non-strided layouts. A frozen
+  parameter's cast is not cached by autocast (it is made for one operation and only
+  the saved graph holds it), so it is offloaded like an activation.
+- **Where it goes**: a host buffer from a pool that reuses buffers between steps
+  (`annot.runtime.host_buffers`), pinned within the rank's budget
+  (`annot.host_memory`), filled on a side CUDA stream (`annot.runtime.offload_copies`):
+  the copy overlaps the next operations, and autograd's reference to the GPU tensor is
+  dropped at once (the allocator keeps its memory for the side stream until read).
+- **Coming back**: the tensors a unit call saved form one group. When backward first
+  reads one of a group, the whole group is copied back, and so is the group of the unit
+  called before it (the next one backward reaches): that copy overlaps this unit's
+  backward. The current stream waits for a tensor's copy only when backward reads it.
+  A host buffer returns to the pool when autograd frees the saved tensor (after
+  backward, or when the graph is dropped), so ``retain_graph=True`` reads it again.
+
+On a CPU device the same code runs with copies made at once and no stream: it saves no
+memory there, and is kept so that CPU runs exercise the same grouping, prefetch, buffer
+reuse and counters as GPU runs (the tests rely on it).
 
 With checkpointing on the same unit, the offload hooks sit around the unit's call and the
 checkpoint inside it, so the two combine: the checkpoint keeps only the unit's inputs,
@@ -40,9 +62,9 @@ forward on its own; ``fullgraph=True`` on the parent fails.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -53,6 +75,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from annot.module_state import module_state, peek_state
 from annot.policies import Action, Plan
 from annot.runtime.autograd_state import under_outer_checkpoint
+from annot.runtime.host_buffers import HostBufferPool
+from annot.runtime.offload_copies import Copier, copier_for
 from annot.runtime.units import unit_paths
 
 __all__ = [
@@ -61,75 +85,194 @@ __all__ = [
     "apply_activation_offload",
     "offload_activations",
     "offloaded_activation_paths",
+    "parameter_derived",
 ]
 
+# Autograd nodes that only reshape, slice or cast their one input: a tensor reached from
+# a parameter through these alone holds the parameter's values (autocast's bf16 weight
+# is ToCopyBackward0 of it, a Linear saves its transpose, FSDP1's views split its flat
+# parameter).
+_VIEW_OR_CAST_NODES = frozenset({
+    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0",
+    "ViewBackward0", "UnsafeViewBackward0", "AliasBackward0", "ExpandBackward0",
+    "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
+    "AsStridedBackward0", "SliceBackward0", "SelectBackward0", "SplitBackward0",
+    "SplitWithSizesBackward0",
+})
+_MAX_VIEW_CHAIN = 8
 
-@dataclasses.dataclass(frozen=True)
-class _HostCopy:
-    """A saved tensor's copy on the host and the device it goes back to."""
 
-    tensor: torch.Tensor
-    device: torch.device
+def parameter_derived(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter, a view of one, or reached from one by autograd
+    through views and casts alone (an autocast weight cast and its transpose). Only
+    trainable parameters leave the last kind of trace (frozen ones have no graph)."""
+    if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+        return True
+    node = tensor.grad_fn
+    for _ in range(_MAX_VIEW_CHAIN):
+        if node is None:
+            return False
+        if hasattr(node, "variable"):  # AccumulateGrad: the leaf the chain starts from
+            return isinstance(node.variable, nn.Parameter)
+        if type(node).__name__ not in _VIEW_OR_CAST_NODES:
+            return False
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
 
 
 def _offloadable(tensor: torch.Tensor) -> bool:
     return (
         type(tensor) is torch.Tensor  # not a Parameter, DTensor or other subclass
         and tensor.layout == torch.strided
-        # A view of a parameter (a Linear saves ``weight.t()``) is the parameter's memory.
-        and not isinstance(tensor._base, nn.Parameter)
+        and not parameter_derived(tensor)
     )
+
+
+class _Group:
+    """The tensors one call of an offloaded unit saved, and the group of the unit called
+    before it (weakly: autograd frees each group's tensors with its part of the graph)."""
+
+    __slots__ = ("__weakref__", "copies", "fetched", "previous")
+
+    def __init__(self, previous: _Group | None) -> None:
+        self.copies: list[weakref.ref[_HostCopy]] = []
+        self.fetched = False
+        self.previous = weakref.ref(previous) if previous is not None else None
+
+
+class _HostCopy:
+    """A saved tensor's copy on the host (``tensor``: a view of a pooled buffer), the
+    device it goes back to, and its copy back while one is under way."""
+
+    __slots__ = ("__weakref__", "device", "group", "on_device", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, device: torch.device, group: _Group) -> None:
+        self.tensor = tensor
+        self.device = device
+        self.group = group
+        self.on_device: tuple[torch.Tensor, Any] | None = None
+
+
+def _view_as(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``buffer`` (flat bytes) seen as a contiguous tensor of ``like``'s dtype and size."""
+    return buffer.view(like.dtype).view(like.size())
 
 
 class ActivationOffloader:
     """The pack/unpack hooks shared by one model's offloaded units, with counters.
 
     ``packed_tensors``/``packed_bytes`` count the tensors (and their bytes) copied to
-    the host when saved; ``unpacked_tensors`` those brought back in backward. A unit's
+    the host when saved; ``unpacked_tensors`` those brought back in backward;
+    ``prefetched_tensors`` those whose copy back started before backward reached their
+    unit (the prefetch of the unit called before the one backward is in). A unit's
     forward run under another checkpoint, in backward, or with autograd off pushes no
-    hooks and counts nothing.
+    hooks and counts nothing. ``buffers_made``/``buffers_reused``: host buffers
+    allocated, and requests the pool served again.
     """
 
     def __init__(self) -> None:
         self.packed_tensors = 0
         self.packed_bytes = 0
         self.unpacked_tensors = 0
-        # (module, hooks or None) per unit call in progress, innermost last.
-        self._calls: list[tuple[nn.Module, saved_tensors_hooks | None]] = []
+        self.prefetched_tensors = 0
+        # (module, hooks or None, its group or None) per unit call in progress, innermost last.
+        self._calls: list[tuple[nn.Module, saved_tensors_hooks | None, _Group | None]] = []
+        self._last_group: weakref.ref[_Group] | None = None
+        self._pools: dict[bool, HostBufferPool] = {}
+        self._copiers: dict[torch.device, Copier] = {}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ActivationOffloader:
+        # A copied model gets its own hooks' state; buffers and CUDA streams are not copied.
+        return ActivationOffloader()
+
+    @property
+    def buffers_made(self) -> int:
+        return sum(pool.made for pool in self._pools.values())
+
+    @property
+    def buffers_reused(self) -> int:
+        return sum(pool.reused for pool in self._pools.values())
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | _HostCopy:
-        if not _offloadable(tensor):
+        # The innermost call that pushed hooks: ours are on top whenever this runs.
+        group = next((g for _, _, g in reversed(self._calls) if g is not None), None)
+        if group is None or not _offloadable(tensor):
             return tensor
-        on_cuda = tensor.device.type == "cuda"
-        host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=on_cuda)
-        # Non-blocking from CUDA is safe: the copy back is queued on the same stream.
-        host.copy_(tensor.detach(), non_blocking=on_cuda)
+        pool = self._pool(pin=tensor.device.type == "cuda")
+        buffer = pool.take(tensor.nbytes)
+        host = _view_as(buffer, tensor)
+        self._copier(tensor.device).to_host(tensor.detach(), host)
+        copy = _HostCopy(host, tensor.device, group)
+        # The buffer goes back to the pool when autograd frees the saved tensor.
+        weakref.finalize(copy, pool.give_back, buffer)
+        group.copies.append(weakref.ref(copy))
         self.packed_tensors += 1
         self.packed_bytes += host.nbytes
-        return _HostCopy(host, tensor.device)
+        return copy
 
     def unpack(self, packed: torch.Tensor | _HostCopy) -> torch.Tensor:
         if not isinstance(packed, _HostCopy):
             return packed
         self.unpacked_tensors += 1
-        return packed.tensor.to(packed.device, non_blocking=True)
+        group = packed.group
+        self._fetch(group)
+        previous = group.previous() if group.previous is not None else None
+        if previous is not None and not previous.fetched:
+            self.prefetched_tensors += self._fetch(previous)
+        copier = self._copier(packed.device)
+        if packed.on_device is None:  # read again (retain_graph=True): copy it once more
+            packed.on_device = copier.to_device(packed.tensor, packed.device)
+        tensor, ready = packed.on_device
+        packed.on_device = None  # backward holds it from here; we must not
+        copier.wait(ready)
+        return tensor
 
     def reset_counters(self) -> None:
         self.packed_tensors = self.packed_bytes = self.unpacked_tensors = 0
+        self.prefetched_tensors = 0
+
+    def _fetch(self, group: _Group) -> int:
+        """Start copying back every tensor of ``group`` still saved; how many."""
+        if group.fetched:
+            return 0
+        group.fetched = True
+        started = 0
+        for ref in group.copies:
+            copy = ref()
+            if copy is not None and copy.on_device is None:
+                copy.on_device = self._copier(copy.device).to_device(copy.tensor, copy.device)
+                started += 1
+        return started
+
+    def _pool(self, *, pin: bool) -> HostBufferPool:
+        if pin not in self._pools:
+            self._pools[pin] = HostBufferPool(pin=pin)
+        return self._pools[pin]
+
+    def _copier(self, device: torch.device) -> Copier:
+        if device not in self._copiers:
+            self._copiers[device] = copier_for(device)
+        return self._copiers[device]
 
     def _enter(self, module: nn.Module, _args: Any) -> None:
-        hooks = None
+        hooks, group = None, None
         if torch.is_grad_enabled() and not under_outer_checkpoint():
+            previous = self._last_group() if self._last_group is not None else None
+            group = _Group(previous)
+            self._last_group = weakref.ref(group)
             hooks = saved_tensors_hooks(self.pack, self.unpack)
             hooks.__enter__()
-        self._calls.append((module, hooks))
+        self._calls.append((module, hooks, group))
 
     def _exit(self, module: nn.Module, _args: Any, _output: Any) -> None:
         # Always called, also when the forward raised; but if an earlier pre-hook raised,
         # `_enter` never ran for this call and there is nothing of ours to pop.
         if not self._calls or self._calls[-1][0] is not module:
             return
-        _, hooks = self._calls.pop()
+        _, hooks, _ = self._calls.pop()
         if hooks is not None:
             hooks.__exit__(None, None, None)
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from annot.devices import choose_device
+from annot.errors import DeviceNotAvailableError
 from annot.verify.context import Context, cuda_found
 from annot.verify.memory import MEMORY_ROWS
 from annot.verify.result import Row, run_guarded, skipped, table
@@ -33,8 +35,11 @@ def run_rows(device: str, only: Sequence[str] = (), show: Callable[[str], None] 
     unknown = [n for n in only if n not in names]
     if unknown:
         raise ValueError(f"no row named {', '.join(unknown)}; the rows are {', '.join(sorted(names))}")
-    no_cuda = device == "cuda" and not torch.cuda.is_available()
-    ctx = Context(torch.device("cuda", 0) if device == "cuda" and not no_cuda else torch.device("cpu"))
+    try:  # the one rule for a rank's device: LOCAL_RANK % device_count, made current
+        chosen, no_cuda = choose_device(device), False
+    except DeviceNotAvailableError:
+        chosen, no_cuda = torch.device("cpu"), True
+    ctx = Context(chosen)
     rows: list[Row] = []
     started = False
     try:

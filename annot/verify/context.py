@@ -1,7 +1,8 @@
 """What every row shares: the device, what was found about CUDA, the process group.
 
-The rows run in one process as rank 0 of a world of one: NCCL on CUDA (what a training
-job runs; DeepSpeed reads the backend's name), gloo on the CPU. A row that needs a
+The rows run in one process as rank 0 of a world of one, on the device and backend
+`annot.devices` chooses for any training job (`annot.init_distributed`): NCCL for CUDA
+tensors with gloo beside it for CPU ones on a GPU, gloo on the CPU. A row that needs a
 different group (torch's fake one, world 8) swaps it with `Context.fake_group` and the
 world-one group comes back afterwards.
 """
@@ -18,6 +19,9 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+
+from annot.devices import distributed_backend
+from annot.process_group import init_distributed
 
 __all__ = ["Context", "cuda_found"]
 
@@ -53,7 +57,8 @@ class Context:
         return [m for m in modules if importlib.util.find_spec(m) is None]
 
     def backend(self) -> str:
-        return "nccl" if self.cuda else "gloo"
+        """The process-group backend of the world-one group (`distributed_backend`)."""
+        return distributed_backend(self.device)
 
     def start_group(self) -> None:
         """The world-one process group (and the environment torchrun would have set)."""
@@ -64,10 +69,8 @@ class Context:
             self._own_port = "MASTER_PORT" not in os.environ
         if self._own_port:
             os.environ["MASTER_PORT"] = str(_free_port())
-        if self.cuda:
-            torch.cuda.set_device(self.device)
-        if not dist.is_initialized():
-            dist.init_process_group(self.backend(), rank=0, world_size=1)
+        # The device made current and the group joined as a training job's are.
+        init_distributed(self.backend(), device=self.device, heartbeat=False)
 
     def stop_group(self) -> None:
         if dist.is_initialized():

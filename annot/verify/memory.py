@@ -164,9 +164,10 @@ def planner_world8_fake(ctx: Context) -> Row:
                        predicted_mib=predicted / MIB, measured_mib=measured / MIB, ratio=ratio)
 
 
-def _held_after_forward(ctx: Context, offload: bool) -> tuple[int, int, float]:
-    """(bytes a forward leaves held for backward, bytes offloaded, mean step seconds)
-    of a one-rank FSDP2 GPT with or without activation offload."""
+def _held_after_forward(ctx: Context, offload: bool) -> tuple[int, int, float, dict[str, int]]:
+    """(bytes a forward leaves held for backward, bytes offloaded, mean step seconds,
+    the offloader's last-step counters) of a one-rank FSDP2 GPT with or without
+    activation offload."""
     from annot.meta.deferred import meta_init
     from annot.runtime.activation_offload import activation_offloader
     from annot.wrap import auto_wrap
@@ -195,8 +196,11 @@ def _held_after_forward(ctx: Context, offload: bool) -> tuple[int, int, float]:
         if i:  # the first step warms up
             seconds.append(time.perf_counter() - start)
     offloaded = offloader.packed_bytes if offloader is not None else 0
+    counters = {} if offloader is None else {
+        "tensors": offloader.packed_tensors, "prefetched": offloader.prefetched_tensors,
+        "buffers_made": offloader.buffers_made, "buffers_reused": offloader.buffers_reused}
     del trainable, model
-    return held, offloaded, sum(seconds) / len(seconds)
+    return held, offloaded, sum(seconds) / len(seconds), counters
 
 
 def _copy_seconds(ctx: Context, nbytes: int) -> float:
@@ -214,12 +218,13 @@ def _copy_seconds(ctx: Context, nbytes: int) -> float:
 def activation_offload(ctx: Context) -> Row:
     """``auto_wrap(..., offload_activations=True)``: the memory a forward leaves held for
     backward drops by >= 0.8 x the bytes offloaded; reported too: how much of the copy
-    time the step hides (1: all of it, 0: none)."""
+    time the step hides (1: all of it, 0: none), the last step's tensors offloaded and
+    copied back ahead of backward, and the host buffers made and reused over the run."""
     name = "activation_offload"
     if (row := _needs_cuda(name, ctx)) is not None:
         return row
-    held_plain, _, step_plain = _held_after_forward(ctx, offload=False)
-    held_offload, offloaded, step_offload = _held_after_forward(ctx, offload=True)
+    held_plain, _, step_plain, _ = _held_after_forward(ctx, offload=False)
+    held_offload, offloaded, step_offload, counters = _held_after_forward(ctx, offload=True)
     saved = held_plain - held_offload
     copy = _copy_seconds(ctx, max(offloaded, 1))
     hidden = 1.0 - (step_offload - step_plain) / copy if copy > 0 else 0.0
@@ -227,7 +232,8 @@ def activation_offload(ctx: Context) -> Row:
                        "held after forward: saved >= 0.8 x offloaded bytes",
                        offloaded_mib=offloaded / MIB, saved_mib=saved / MIB,
                        step_s=step_plain, step_offload_s=step_offload, copy_s=copy,
-                       copy_hidden=max(0.0, min(1.0, hidden)))
+                       copy_hidden=max(0.0, min(1.0, hidden)),
+                       **{f"offload_{key}": value for key, value in counters.items()})
 
 
 MEMORY_ROWS: list[tuple[str, Callable[[Context], Row], bool]] = [

@@ -1,4 +1,5 @@
-"""Rows that train: FSDP2 parity, meta init, save/resume, fp16, DeepSpeed ZeRO-3.
+"""Rows that train: FSDP2 parity, meta init, save/resume, fp16, DeepSpeed ZeRO-3 and
+ZeRO-Offload.
 
 Every comparison starts from the same values (a model built with the same seed) and
 feeds the same batches; figures are the largest absolute differences over the losses of
@@ -23,7 +24,7 @@ from annot.verify.result import Row, fail_unless, skipped
 from annot.wrap import auto_wrap
 
 __all__ = ["deepspeed_zero3", "fp16_finite", "fsdp2_bf16_vs_fully_shard", "fsdp2_parity_fp32",
-           "meta_init_bitwise", "save_resume_bitwise"]
+           "meta_init_bitwise", "save_resume_bitwise", "zero_offload_cpu_adam"]
 
 STEPS = 4
 BATCH = 4
@@ -217,6 +218,31 @@ def deepspeed_zero3(ctx: Context) -> Row:
                        max_loss_diff=loss_diff)
 
 
+def zero_offload_cpu_adam(ctx: Context) -> Row:
+    """DeepSpeed ZeRO-2 with the optimizer state on the host (``offload="cpu"``) on one
+    GPU: the factory's torch AdamW steps as DeepSpeed's CPU Adam (built on first use),
+    and the losses stay within 1e-5 of the plain model's (fp32)."""
+    name = "zero_offload_cpu_adam"
+    if not ctx.cuda:
+        return skipped(name, "needs --device cuda")
+    if ctx.missing("deepspeed"):
+        return skipped(name, "needs deepspeed (pip install 'annot-train[deepspeed]')")
+    bound = 1e-5
+    shape = Shape()
+    data = batches(shape, STEPS, BATCH, ctx.device)
+    plain = _built(ctx, shape).to(ctx.device)
+    zero = copy.deepcopy(plain)
+    reference = train_plain(plain, data)
+    trainable = auto_wrap(zero, "deepspeed", stage=2, offload="cpu", checkpoint=False,
+                          optimizer=_adamw, device=ctx.device)
+    host_optimizer = type(trainable.module.optimizer.optimizer).__name__  # ZeRO wraps it
+    losses = train_trainable(trainable, data)
+    loss_diff = max(abs(a - b) for a, b in zip(reference, losses, strict=True))
+    return fail_unless(name, host_optimizer == "DeepSpeedCPUAdam" and loss_diff <= bound,
+                       f"the host step is DeepSpeedCPUAdam; {STEPS} steps, bound {bound:g}",
+                       host_optimizer=host_optimizer, max_loss_diff=loss_diff)
+
+
 TRAINING_ROWS: list[tuple[str, Callable[[Context], Row], bool]] = [
     # (name, row, needs CUDA)
     ("fsdp2_parity_fp32", fsdp2_parity_fp32, False),
@@ -225,4 +251,5 @@ TRAINING_ROWS: list[tuple[str, Callable[[Context], Row], bool]] = [
     ("save_resume_bitwise", save_resume_bitwise, False),
     ("fp16_finite", fp16_finite, True),
     ("deepspeed_zero3", deepspeed_zero3, True),
+    ("zero_offload_cpu_adam", zero_offload_cpu_adam, True),
 ]
