@@ -147,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from annot.cli.targets import build_target, read_options
-    from annot.policies import AnnotError, PlanError, Policy, default_policy, make_plan, parse_rule
+    from annot.planning import plan as plan_model
+    from annot.policies import AnnotError, PlanError, Policy, default_policy, parse_rule
 
     try:
         for option in ("batch", "seq"):
@@ -170,13 +171,14 @@ def _run_plan(args: argparse.Namespace) -> int:
         model = build_target(args.target, options, dtype=args.dtype)
 
         def plan_of(model):
+            # annot.plan: make_plan plus the notes the model's builder left (pitfall 37).
             if rules or args.group_tied:
                 base = Policy(shard=rules.get("shard"), checkpoint=rules.get("checkpoint"),
                               offload=rules.get("offload")) if rules else default_policy(model)
                 policy = Policy(shard=base.shard, checkpoint=base.checkpoint, offload=base.offload,
                                 offload_to=args.offload_to, group_tied=args.group_tied)
-                return make_plan(model, policy)
-            return make_plan(model)
+                return plan_model(model, policy)
+            return plan_model(model)
 
         plan = plan_of(model)
         if args.parallel is not None:

@@ -11,9 +11,11 @@ As a script (prints the count per outcome and the transformers version)::
 
     python -m tests.huggingface.sweep_causal_lm --out rows.jsonl [--only a,b] [--budget S]
 
-Rows already in ``--out`` are kept and their architectures not run again, so a long
-sweep runs in chunks (``--budget``: seconds of work per call; one torchrun launch loops
-over many architectures, tests/huggingface/sweep_worker.py). The test
+Two stages (tests/huggingface/sweep_worker.py): ``prepare`` in this process (build and
+save, the plain-transformers reference step, both plan commands) and ``train``, torchrun
+launches on 2 ranks each looping over many architectures (annot's steps). Rows already
+in ``--out`` are kept and their architectures not run again, so a long sweep runs in
+chunks (``--budget``: seconds per call; ``--stage prepare`` needs no launch). The test
 (test_sweep_causal_lm.py, ``-m sweep``) runs the same driver.
 """
 
@@ -22,8 +24,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -54,27 +56,61 @@ def _died_row(arch: str, output: str) -> dict[str, Any]:
             "reason": "the launch died while running it: " + " | ".join(tail)[-600:]}
 
 
-def run_sweep(archs: list[str], out: Path, budget_s: float = float("inf")) -> dict[str, dict[str, Any]]:
-    """Run the architectures of ``archs`` that ``out`` has no row for, in as many
-    torchrun launches as it takes (a launch that dies records the architecture it was
-    running as failing and the next starts after it), until ``budget_s`` seconds of
-    launches have passed. Returns every row of ``out``."""
-    from tests.distributed import torchrun
+def prepared_root(out: Path) -> Path:
+    """Where the prepared models and rows of the sweep writing ``out`` live."""
+    return out.with_name(out.name + ".prepared")
 
+
+def prepare_all(archs: list[str], root: Path, budget_s: float = float("inf")) -> None:
+    """The single-process stage (`sweep_worker.prepare`) of every architecture of
+    ``archs`` not prepared under ``root`` yet, until ``budget_s`` seconds have passed.
+    A skipped architecture keeps only its row."""
+    from tests.huggingface.sweep_worker import PREPARED, prepare
+
+    start = time.monotonic()
+    for arch in archs:
+        directory = root / arch
+        if (directory / PREPARED).exists():
+            continue
+        if time.monotonic() - start > budget_s:
+            return
+        shutil.rmtree(directory, ignore_errors=True)
+        began = time.monotonic()
+        row = prepare(arch, directory)
+        row["prepare_seconds"] = round(time.monotonic() - began, 1)
+        if row["outcome"] is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / PREPARED).write_text(json.dumps(row))
+        print(f"prepared {arch}: {row['outcome'] or 'to train'} {row.get('reason', '')[:160]}", flush=True)
+
+
+def train_all(archs: list[str], out: Path, budget_s: float = float("inf")) -> dict[str, dict[str, Any]]:
+    """The 2-rank stage of the prepared architectures of ``archs`` that ``out`` has no
+    row for, in as many torchrun launches as it takes (a launch that dies records the
+    architecture it was running as failing, and the next starts after it), until
+    ``budget_s`` seconds of launches have passed. Returns every row of ``out``."""
+    from tests.distributed import torchrun
+    from tests.huggingface.sweep_worker import PREPARED
+
+    root = prepared_root(out)
     start = time.monotonic()
     while True:
         done = read_rows(out)
-        todo = [a for a in archs if a not in done]
+        for arch in done:  # finished: only its row is needed any more
+            for item in (root / arch).glob("*"):
+                if item.name != PREPARED:
+                    shutil.rmtree(item) if item.is_dir() else item.unlink()
+        todo = [a for a in archs if a not in done and (root / a / PREPARED).exists()]
         left = budget_s - (time.monotonic() - start)
         if not todo or left <= 0:
             return done
-        with tempfile.TemporaryDirectory(prefix="annot-sweep-") as scratch:
-            try:
-                proc = torchrun(WORKER, str(out), scratch, str(left), *todo,
-                                timeout=min(LAUNCH_TIMEOUT_S, left + 900), check=False)
-                output, failed = proc.stdout, proc.returncode != 0
-            except TimeoutError as error:
-                output, failed = str(error), True
+        try:
+            proc = torchrun(WORKER, str(out), str(root), str(left), *todo,
+                            timeout=min(LAUNCH_TIMEOUT_S, left + 900), check=False)
+            output, failed = proc.stdout, proc.returncode != 0
+        except TimeoutError as error:
+            output, failed = str(error), True
         current = Path(f"{out}.current")
         if failed and current.exists():
             arch = current.read_text().strip()
@@ -83,6 +119,17 @@ def run_sweep(archs: list[str], out: Path, budget_s: float = float("inf")) -> di
             current.unlink()
         elif failed:
             raise RuntimeError(f"the sweep's launch failed before any architecture:\n{output[-4000:]}")
+
+
+def run_sweep(archs: list[str], out: Path, budget_s: float = float("inf"),
+              stages: tuple[str, ...] = ("prepare", "train")) -> dict[str, dict[str, Any]]:
+    """Both stages (or those named) for ``archs``, rows into ``out``; every row of it."""
+    start = time.monotonic()
+    if "prepare" in stages:
+        prepare_all(archs, prepared_root(out), budget_s)
+    if "train" in stages:
+        return train_all(archs, out, budget_s - (time.monotonic() - start))
+    return read_rows(out)
 
 
 def counts(rows: dict[str, dict[str, Any]]) -> str:
@@ -114,13 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=float("inf"),
                         help="seconds of launches in this call (the rest in a later one)")
     parser.add_argument("--rerun", action="store_true", help="run --only again even if --out has them")
+    parser.add_argument("--stage", choices=("prepare", "train", "all"), default="all",
+                        help="prepare: the single-process stage only (no launch); train: the "
+                             "2-rank launches of what is prepared; all: both (default)")
     args = parser.parse_args(argv)
     archs = args.only.split(",") if args.only else causal_lm_types()
     if args.rerun and args.out.exists():
         kept = [line for line in args.out.read_text().splitlines()
                 if line.strip() and json.loads(line)["arch"] not in archs]
         args.out.write_text("".join(f"{line}\n" for line in kept))
-    rows = run_sweep(archs, args.out, args.budget)
+        for arch in archs:
+            shutil.rmtree(prepared_root(args.out) / arch, ignore_errors=True)
+    stages = ("prepare", "train") if args.stage == "all" else (args.stage,)
+    rows = run_sweep(archs, args.out, args.budget, stages)
     print(reasons(rows))
     print()
     print(counts(rows))

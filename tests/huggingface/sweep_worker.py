@@ -1,22 +1,26 @@
-"""Worker of the causal-LM sweep (tests/huggingface/sweep_causal_lm.py), run under
-torchrun on 2 CPU ranks:
+"""The two stages of the causal-LM sweep (tests/huggingface/sweep_causal_lm.py).
 
-    python -m torch.distributed.run --nproc_per_node 2 sweep_worker.py ROWS SCRATCH BUDGET_S ARCH...
+`prepare` runs in one process, before any launch: rank 0's work and everything that
+needs no process group. It builds the tiny config's model from a fixed seed and saves it
+into PREPARED/ARCH, loads it with plain ``AutoModelForCausalLM.from_pretrained`` and takes
+one training step on the whole batch (the reference: loss, every gradient, the trainable
+names, saved beside the model), and runs ``annot plan DIR`` and ``annot plan DIR
+--memory`` in that process. An architecture that cannot get this far is skipped there,
+with the reason.
 
-For each architecture in turn, until BUDGET_S seconds have passed: rank 0 builds the
-tiny config's model from a fixed seed and saves it into SCRATCH/ARCH; every rank loads
-it with plain ``AutoModelForCausalLM.from_pretrained`` and takes one training step on
-the whole batch (the reference); then ``annot.from_pretrained(DIR, "fsdp2")`` and again
-with ``checkpoint=True``, one step on this rank's half of the batch, loss (mean over
-ranks) and every gradient (gathered whole) compared with the reference; then ``annot
-plan DIR`` (rank 0) and ``annot plan DIR --memory`` (rank 1), in this process. Rank 0
-appends one JSON row per architecture to ROWS as soon as it ends, and writes the name of
-the one it starts into ROWS.current, so a launch that dies leaves every finished row and
-says where it died (the driver records that one and goes on in a new launch).
+This file's main runs under torchrun on 2 CPU ranks, one launch for many architectures::
 
-Ranks stay in step: every phase ends with both ranks exchanging their outcome, and the
-worst one decides. The process group's timeout bounds a rank left waiting in a
-collective the other never joins.
+    python -m torch.distributed.run --nproc_per_node 2 sweep_worker.py ROWS PREPARED BUDGET_S ARCH...
+
+For each prepared architecture in turn, until BUDGET_S seconds have passed:
+``annot.from_pretrained(DIR, "fsdp2")`` and again with ``checkpoint=True``, one step on
+this rank's half of the batch, the loss (mean over ranks) and every gradient (gathered
+whole) compared with the reference. Rank 0 appends one JSON row per architecture to ROWS
+as soon as it ends and writes the name of the one it starts into ROWS.current, so a
+launch that dies leaves every finished row and says where it died (the driver records
+that one as failing and goes on in a new launch). Ranks stay in step: each step ends
+with both ranks exchanging their outcome, and the worst one decides; the process group's
+timeout bounds a rank left waiting in a collective the other never joins.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ import inspect
 import io
 import json
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -45,6 +48,9 @@ ROWS_PER_RANK = 2
 LOSS_RTOL = 1e-5  # relative, on the mean loss
 GRAD_ATOL = 1e-4  # absolute, on every element of every gradient
 COLLECTIVE_TIMEOUT_S = 600
+WORLD_SIZE = 2
+REFERENCE = "sweep-reference.pt"
+PREPARED = "sweep-row.json"
 # "transformers converts this tensor on load": annot.load's refusal of a checkpoint that
 # transformers' weight converters fuse or split (annot/huggingface/keys.py). For MoE
 # experts that is another change's work (moe-load); the sweep names it so.
@@ -65,9 +71,10 @@ def _where(error: BaseException) -> str:
     return f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno}"
 
 
-def _batch() -> torch.Tensor:
+def batch(world: int) -> torch.Tensor:
+    """The whole batch: ``ROWS_PER_RANK`` rows for each of ``world`` ranks."""
     gen = torch.Generator().manual_seed(1)
-    return torch.randint(0, VOCAB, (ROWS_PER_RANK * dist.get_world_size(), SEQ), generator=gen)
+    return torch.randint(0, VOCAB, (ROWS_PER_RANK * world, SEQ), generator=gen)
 
 
 def _forward_kwargs(model: torch.nn.Module) -> dict[str, Any]:
@@ -200,29 +207,36 @@ def _agree(value: Any) -> list[Any]:
     return out
 
 
-def run_arch(model_type: str, scratch: Path) -> dict[str, Any]:
-    """One architecture, on every rank; the row (rank 0's is written)."""
+def prepare(model_type: str, directory: Path) -> dict[str, Any]:
+    """The single-process part of one architecture, run before the launch (no process
+    group): the tiny model saved into ``directory``, the reference step (its loss,
+    gradients and trainable names in ``directory/REFERENCE``), ``annot plan DIR`` and
+    ``annot plan DIR --memory``. Returns the row so far; its ``outcome`` is ``skipped``
+    (with the reason) or None (the launch decides)."""
+    row: dict[str, Any] = {"arch": model_type, **build_and_save(model_type, directory)}
+    if row["outcome"] is not None:
+        return row
+    try:
+        ref = reference(directory, batch(WORLD_SIZE))
+        if not torch.isfinite(torch.tensor(ref[0])):
+            raise FloatingPointError(f"a non-finite loss {ref[0]}")
+    except Exception as exc:  # noqa: BLE001
+        return {**row, "outcome": "skipped",
+                "reason": f"plain transformers fails a training step: {_first_line(exc)} at {_where(exc)}"}
+    torch.save(ref, directory / REFERENCE)
+    row["plan"] = plan_command(directory)
+    row["plan_memory"] = plan_command(directory, "--memory")
+    return row
+
+
+def run_arch(prepared: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """The 2-rank part of one prepared architecture, on every rank: annot's two steps
+    compared with the reference; the final row."""
     from annot.policies.errors import AnnotError
 
-    rank = dist.get_rank()
-    directory = scratch / model_type
-    row: dict[str, Any] = {"arch": model_type}
-    built = build_and_save(model_type, directory) if rank == 0 else None
-    built = _agree(built)[0]
-    row.update({k: v for k, v in built.items() if k != "outcome"})
-    if built["outcome"] is not None:
-        row["outcome"] = built["outcome"]
-        return row
-    ids = _batch()
-    try:
-        ref = reference(directory, ids)
-        error = None if torch.isfinite(torch.tensor(ref[0])) else "a non-finite loss"
-    except Exception as exc:  # noqa: BLE001
-        error = f"{_first_line(exc)} at {_where(exc)}"
-    errors = _agree(error)
-    if any(errors):
-        return {**row, "outcome": "skipped",
-                "reason": f"plain transformers fails a training step: {next(e for e in errors if e)}"}
+    row = dict(prepared)
+    ref = torch.load(directory / REFERENCE)
+    ids = batch(dist.get_world_size())
     for label, options in (("fsdp2", {}), ("fsdp2_checkpoint", {"checkpoint": True})):
         try:
             result: dict[str, Any] = compare(ref, annot_step(directory, ids, **options))
@@ -232,9 +246,6 @@ def run_arch(model_type: str, scratch: Path) -> dict[str, Any]:
             result = {"crash": f"{_first_line(exc)} at {_where(exc)}",
                       "traceback": traceback.format_exc()[-3000:]}
         row[label] = next((r for r in _agree(result) if set(r) & {"crash", "refused", "difference"}), result)
-    plan = plan_command(directory) if rank == 0 else plan_command(directory, "--memory")
-    plans = _agree(plan)
-    row["plan"], row["plan_memory"] = plans[0], plans[1]
     row["outcome"], row["reason"] = classify(row)
     return row
 
@@ -259,7 +270,7 @@ def classify(row: dict[str, Any]) -> tuple[str, str]:
 
 
 def main() -> None:
-    rows_path, scratch, budget, *archs = sys.argv[1:]
+    rows_path, prepared_root, budget, *archs = sys.argv[1:]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -268,15 +279,16 @@ def main() -> None:
     for model_type in archs:
         if time.monotonic() - start > float(budget):
             break
+        directory = Path(prepared_root) / model_type
+        prepared = json.loads((directory / PREPARED).read_text())
         if rank == 0:
             Path(f"{rows_path}.current").write_text(model_type)
         began = time.monotonic()
-        row = run_arch(model_type, Path(scratch))
+        row = prepared if prepared["outcome"] is not None else run_arch(prepared, directory)
         row["seconds"] = round(time.monotonic() - began, 1)
         if rank == 0:
             with rows_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            shutil.rmtree(Path(scratch) / model_type, ignore_errors=True)
             print(f"sweep: {model_type}: {row['outcome']} {row.get('reason', '')[:160]}", flush=True)
         dist.barrier()
     if rank == 0:
