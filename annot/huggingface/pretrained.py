@@ -205,7 +205,10 @@ def train_loaded_parameters(model: nn.Module, path: str | os.PathLike[str]) -> l
               if not p.requires_grad and p.is_floating_point()]
     if not frozen:
         return []
-    missing = set(check_keys(model, path)[0])
+    try:
+        missing = set(check_keys(model, path)[0])
+    except CheckpointError:  # keys annot cannot read (converted tensors): the load refuses
+        return []
     changed = [name for name in frozen if name not in missing]
     for name in changed:
         model.get_parameter(name).requires_grad_(True)
