@@ -166,6 +166,22 @@ def test_a_checkpointed_transformers_step_is_traced_without_a_kv_cache():
     assert model.config.use_cache is True  # the user's config is untouched
 
 
+@pytest.mark.slow
+def test_a_plain_transformers_step_is_traced_without_a_kv_cache_too():
+    # Bamba's hybrid cache refused a trace with the cache on even without checkpointing
+    # (issue #29's sweep): no training step keeps a cache, so no trace does.
+    from annot.memory.activations import trace_step
+
+    model = _tiny_gemma2_on_meta()
+    seen = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: seen.append(kwargs.get("use_cache")),
+                                    with_kwargs=True)
+    layer = type(model.model.layers[0])
+    plan = annot.plan(model, annot.Policy(shard=annot.by_class(layer)))
+    trace_step(model, plan, batch=1, seq=16, checkpoint=False)
+    assert seen == [False]
+
+
 def test_training_forward_kwargs_turn_the_cache_off_only_where_the_forward_takes_it():
     from annot.huggingface.model import training_forward_kwargs
 
