@@ -42,7 +42,7 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("mamba_n_heads",), HEADS),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "d_ff",
                      "ffn_hidden_size", "n_inner", "dense_intermediate_size", "mlp_hidden_dim",
-                     "d_inner", "feed_forward_proj_dim"), INTERMEDIATE),
+                     "d_inner", "feed_forward_proj_dim", "mamba_d_ssm"), INTERMEDIATE),
     **dict.fromkeys(("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
                      "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                      "shared_intermediate_size", "ffn_dim_moe"), EXPERT_INTERMEDIATE),
@@ -133,7 +133,10 @@ def tiny_overrides(defaults: dict[str, Any]) -> dict[str, Any]:
         # Mamba-2 style: the heads span the expanded width.
         out["head_dim"] = HIDDEN * int(defaults["expand"]) // HEADS
     if "mamba_expand" in defaults and "mamba_d_head" in defaults:
-        out["mamba_d_head"] = HIDDEN * int(defaults["mamba_expand"]) // HEADS
+        # the heads span the Mamba width: mamba_d_ssm where the config has one
+        width = INTERMEDIATE if isinstance(defaults.get("mamba_d_ssm"), int) else \
+            HIDDEN * int(defaults["mamba_expand"])
+        out["mamba_d_head"] = width // HEADS
     if "kv_lora_rank" in defaults and "num_key_value_heads" in defaults:
         out["num_key_value_heads"] = HEADS  # multi-head latent attention: one kv head per head
     return out

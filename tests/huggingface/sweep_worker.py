@@ -58,8 +58,9 @@ CONVERSION_REFUSAL = "transformers converts this tensor on load"
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
+    # Up to two lines: transformers' validation errors give the reason on the second.
+    text = " ".join(line.strip() for line in str(error).strip().splitlines()[:2])
+    return f"{type(error).__name__}: {text[:300]}"
 
 
 def _where(error: BaseException) -> str:
