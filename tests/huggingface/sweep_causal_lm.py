@@ -143,6 +143,41 @@ def counts(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# Reason classes of the README's table: the first whose words the reason holds.
+REASON_CLASSES = (
+    ("MoE conversion (moe-load)", "MoE conversion (moe-load)"),
+    ("converted checkpoint", "converted checkpoint:"),
+    ("multimodal", "multimodal:"),
+    ("transformers fails to build or save the tiny model", "transformers fails to build"),
+    ("the sweep's generic tiny config does not build", "the tiny config does not build"),
+    ("plain transformers fails a training step", "plain transformers fails a training step"),
+    ("annot plan DIR --memory", "annot plan DIR --memory"),
+    ("annot plan DIR", "annot plan DIR exited"),
+    ("silent difference", "silent difference"),
+    ("crash", "crash:"),
+    ("the launch died", "the launch died"),
+)
+
+
+def reason_class(row: dict[str, Any]) -> str:
+    """The class of a row's reason (`REASON_CLASSES`), or the reason itself."""
+    reason = row.get("reason", "")
+    return next((name for name, words in REASON_CLASSES if words in reason), reason[:80])
+
+
+def by_reason(rows: dict[str, dict[str, Any]]) -> str:
+    """A markdown table: outcome, reason class, count and the architectures."""
+    groups: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+    for arch, row in sorted(rows.items()):
+        groups[(row["outcome"], reason_class(row) if row["outcome"] != "pass" else "")].append(arch)
+    lines = ["| outcome | reason | count | architectures |", "|---|---|---:|---|"]
+    for outcome in OUTCOMES:
+        for (kind, reason), archs in sorted(groups.items()):
+            if kind == outcome:
+                lines.append(f"| {outcome} | {reason} | {len(archs)} | {', '.join(archs)} |")
+    return "\n".join(lines)
+
+
 def reasons(rows: dict[str, dict[str, Any]]) -> str:
     """Every row that did not pass, by outcome: ``arch: reason``."""
     lines = []
@@ -177,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     print(reasons(rows))
     print()
     print(counts(rows))
+    print()
+    print(by_reason(rows))
     missing = [a for a in archs if a not in rows]
     if missing:
         print(f"\nnot run yet ({len(missing)}): {', '.join(missing)}")
