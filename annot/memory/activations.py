@@ -63,10 +63,11 @@ def _storage_key(t: torch.Tensor) -> int:
 def default_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Token ids of shape (batch, seq) as the model's first input, and as its targets or
     labels when ``forward`` takes them (so the loss's saved tensors count too). Vision
-    models (a ``pixel_values`` input) get images of the configured size instead."""
+    models (a ``pixel_values`` input and no ``input_ids``) get images of the configured
+    size instead: a model taking both (Fuyu: images optional) is traced on text."""
     params = inspect.signature(model.forward).parameters
     config = getattr(model, "config", None)
-    if "pixel_values" in params and config is not None:
+    if "pixel_values" in params and "input_ids" not in params and config is not None:
         size = getattr(config, "image_size", 224)
         channels = getattr(config, "num_channels", 3)
         return (), {"pixel_values": torch.zeros(batch, channels, size, size)}

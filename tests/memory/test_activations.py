@@ -189,3 +189,19 @@ def test_training_forward_kwargs_turn_the_cache_off_only_where_the_forward_takes
     assert training_forward_kwargs(model, (), {"input_ids": 1}) == {"input_ids": 1, "use_cache": False}
     assert training_forward_kwargs(model, (), {"use_cache": True}) == {"use_cache": True}
     assert training_forward_kwargs(nn.Linear(2, 2), (), {}) == {}
+
+
+def test_a_model_taking_text_and_optional_images_is_traced_on_text():
+    # Fuyu's forward takes input_ids and pixel_values (images optional): it was traced
+    # as an image-only model and failed (issue #29).
+    from annot.memory.activations import default_inputs
+
+    class TextAndImages(torch.nn.Module):
+        config = type("Config", (), {"image_size": 8, "num_channels": 3})()
+
+        def forward(self, input_ids=None, pixel_values=None, labels=None):
+            raise AssertionError("not called")
+
+    args, kwargs = default_inputs(TextAndImages(), batch=2, seq=5)
+    assert args == () and set(kwargs) == {"input_ids", "labels"}
+    assert kwargs["input_ids"].shape == (2, 5)
