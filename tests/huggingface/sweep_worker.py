@@ -197,7 +197,9 @@ def plan_command(directory: Path, *extra: str) -> dict[str, Any]:
 def _refusal(error: BaseException, moe: bool) -> str:
     reason = _first_line(error)
     if CONVERSION_REFUSAL in str(error):
-        kind = "MoE conversion (moe-load)" if moe else "converted checkpoint"
+        # the tensor it names: an expert's (moe-load's work) or another fused one
+        expert = moe and ".experts." in str(error).split(":")[0]
+        kind = "MoE conversion (moe-load)" if expert else "converted checkpoint"
         return f"{kind}: {reason}"
     return reason
 
