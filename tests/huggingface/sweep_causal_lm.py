@@ -126,7 +126,8 @@ def run_sweep(archs: list[str], out: Path, budget_s: float = float("inf"),
     """Both stages (or those named) for ``archs``, rows into ``out``; every row of it."""
     start = time.monotonic()
     if "prepare" in stages:
-        prepare_all(archs, prepared_root(out), budget_s)
+        done = read_rows(out)
+        prepare_all([a for a in archs if a not in done], prepared_root(out), budget_s)
     if "train" in stages:
         return train_all(archs, out, budget_s - (time.monotonic() - start))
     return read_rows(out)
