@@ -311,8 +311,7 @@ def trace_step(
     try:
         with fake_mode, counter, flop_counter, _traceable_experts():
             args, kwargs = (inputs or default_inputs)(model, batch, seq)
-            # A training step keeps no key/value cache, checkpointed or not (pitfall 14):
-            # with it on, Bamba's hybrid cache refused the plain trace.
+            # A training step keeps no key/value cache, checkpointed or not (pitfall 14).
             kwargs = training_forward_kwargs(model, args, kwargs)
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
                 out = model(*args, **kwargs)

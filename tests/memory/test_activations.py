@@ -168,8 +168,8 @@ def test_a_checkpointed_transformers_step_is_traced_without_a_kv_cache():
 
 @pytest.mark.slow
 def test_a_plain_transformers_step_is_traced_without_a_kv_cache_too():
-    # Bamba's hybrid cache refused a trace with the cache on even without checkpointing
-    # (issue #29's sweep): no training step keeps a cache, so no trace does.
+    # No training step keeps a key/value cache, checkpointed or not, so no trace does
+    # (the plain trace ran with the config's use_cache=True).
     from annot.memory.activations import trace_step
 
     model = _tiny_gemma2_on_meta()
