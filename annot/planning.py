@@ -6,6 +6,7 @@ import dataclasses
 
 from torch import nn
 
+from annot.module_state import peek_state
 from annot.policies import Plan, Policy, Rule, make_plan
 from annot.policies.parallel import ParallelDims
 
@@ -22,7 +23,7 @@ def plan(model: nn.Module, policy: Policy | Rule | None = None, *,
     parallel dimensions (`annot.ParallelDims`, e.g. ``replicate=2`` for HSDP); the table
     shows them and ``auto_wrap`` builds its mesh from them.
     """
-    made = make_plan(model, policy)
+    made = _with_notes(model, make_plan(model, policy))
     if parallel is not None and not isinstance(parallel, ParallelDims):
         raise TypeError(f"parallel= takes annot.ParallelDims, not {type(parallel).__name__}")
     return dataclasses.replace(made, parallel=parallel) if parallel is not None else made
@@ -32,7 +33,7 @@ def resolve_plan(model: nn.Module, policy: Policy | Rule | Plan | None) -> Plan:
     """The Plan for ``model``: ``policy`` itself if it is one (checked against the model),
     else planned from it."""
     if not isinstance(policy, Plan):
-        return make_plan(model, policy)
+        return _with_notes(model, make_plan(model, policy))
     for unit in policy.units:
         for path in unit.modules:
             try:
@@ -43,3 +44,11 @@ def resolve_plan(model: nn.Module, policy: Policy | Rule | Plan | None) -> Plan:
                     "have: was the Plan made for another model?"
                 ) from None
     return policy
+
+
+def _with_notes(model: nn.Module, made: Plan) -> Plan:
+    """``made`` with the notes the code that built ``model`` left for its Plan
+    (`annot.module_state.ModuleState.plan_notes`) among its warnings."""
+    state = peek_state(model)
+    notes = [note for note in (state.plan_notes if state else ()) if note not in made.warnings]
+    return dataclasses.replace(made, warnings=(*made.warnings, *notes)) if notes else made

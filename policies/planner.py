@@ -31,7 +31,7 @@ from annot.policies.rules import (
     repeated_blocks,
 )
 
-__all__ = ["default_policy", "make_plan", "unit_parameters"]
+__all__ = ["cache_writers", "default_policy", "make_plan", "unit_parameters"]
 
 ROOT = ""
 
@@ -154,29 +154,37 @@ def _forward_parameters(index: ModelIndex, module: nn.Module) -> frozenset[str]:
     return memo[cls]
 
 
-def _no_checkpoint_of_cache_writers(index: ModelIndex, units: list[Unit]) -> tuple[list[Unit], list[str]]:
-    """A HuggingFace model none of whose modules takes ``use_cache`` cannot be told to
-    train without a key/value cache (XLM builds one on every forward), so a checkpointed
-    unit that takes the cache would write it again when recomputed and read its own keys
-    twice (docs/design.md, pitfall 14). The default policy keeps such units sharded and
-    does not checkpoint them; the plan says so. A model with the switch is left as it is:
-    `auto_wrap` passes ``use_cache=False`` to a root that takes it, and an encoder's inner
-    model (BERT's) leaves its cache off by itself."""
+def cache_writers(model: nn.Module, paths: list[str]) -> list[str]:
+    """Those of ``paths`` (module paths of ``model``) that must not be checkpointed: in a
+    HuggingFace model none of whose modules takes ``use_cache``, the ones whose subtree
+    takes a key/value cache. Such a model cannot be told to train without a cache (XLM
+    builds one on every forward), so a checkpointed module taking it would write it again
+    when recomputed and read its own keys twice (docs/design.md, pitfall 14). A model with
+    the switch gives none: `auto_wrap` passes ``use_cache=False`` to a root that takes it,
+    and an encoder's inner model (BERT's) leaves its cache off by itself."""
+    if not _is_huggingface(model):
+        return []
+    return _cache_writers(ModelIndex(model), paths)
+
+
+def _cache_writers(index: ModelIndex, paths: list[str]) -> list[str]:
     if any("use_cache" in _forward_parameters(index, module) for _, module in index):
-        return units, []
-    kept, dropped = [], []
-    for unit in units:
-        writer = unit.has(Action.CHECKPOINT) and any(
-            not _CACHE_PARAMETERS.isdisjoint(_forward_parameters(index, module))
-            for path, module in index if is_under(path, unit.path))
-        if writer:
-            dropped.append(unit.path)
-            unit = dataclasses.replace(
-                unit, actions=tuple(a for a in unit.actions if a is not Action.CHECKPOINT),
-                reason=unit.reason + "; not checkpointed: writes a key/value cache")
-        kept.append(unit)
+        return []
+    return [unit_path for unit_path in paths
+            if any(not _CACHE_PARAMETERS.isdisjoint(_forward_parameters(index, module))
+                   for path, module in index if is_under(path, unit_path))]
+
+
+def _no_checkpoint_of_cache_writers(index: ModelIndex, units: list[Unit]) -> tuple[list[Unit], list[str]]:
+    """The default policy keeps the units `cache_writers` names sharded and does not
+    checkpoint them; the plan says so."""
+    dropped = _cache_writers(index, [u.path for u in units if u.has(Action.CHECKPOINT)])
     if not dropped:
         return units, []
+    kept = [dataclasses.replace(
+        unit, actions=tuple(a for a in unit.actions if a is not Action.CHECKPOINT),
+        reason=unit.reason + "; not checkpointed: writes a key/value cache")
+        if unit.path in dropped else unit for unit in units]
     return kept, [f"not checkpointed: {', '.join(dropped)} take a key/value cache that "
                   f"{type(index.model).__name__} cannot turn off (no module takes use_cache); "
                   "recomputing them would write it twice"]

@@ -75,7 +75,9 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
                         help="GPUs per node (default: 1)")
     memory.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
     memory.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (default: 1)")
-    memory.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
+    memory.add_argument("--seq", type=int, default=None,
+                        help="sequence length (default: 2048, or the model's longest if shorter: "
+                             "max_position_embeddings, n_positions)")
     memory.add_argument("--precision", default="bf16-mixed",
                         choices=("fp32", "amp", "bf16-mixed", "fp16-mixed", "bf16"),
                         help="fp32; amp (fp32 states, torch.autocast); 16-bit mixed with fp32 "
@@ -176,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from annot.cli.targets import build_target, read_options
-    from annot.policies import AnnotError, PlanError, Policy, default_policy, make_plan, parse_rule
+    from annot.planning import plan as plan_model
+    from annot.policies import AnnotError, PlanError, Policy, default_policy, parse_rule
 
     try:
         for option in ("batch", "seq"):
@@ -199,13 +202,14 @@ def _run_plan(args: argparse.Namespace) -> int:
         model = build_target(args.target, options, dtype=args.dtype)
 
         def plan_of(model):
+            # annot.plan: make_plan plus the notes the model's builder left (pitfall 46).
             if rules or args.group_tied:
                 base = Policy(shard=rules.get("shard"), checkpoint=rules.get("checkpoint"),
                               offload=rules.get("offload")) if rules else default_policy(model)
                 policy = Policy(shard=base.shard, checkpoint=base.checkpoint, offload=base.offload,
                                 offload_to=args.offload_to, group_tied=args.group_tied)
-                return make_plan(model, policy)
-            return make_plan(model)
+                return plan_model(model, policy)
+            return plan_model(model)
 
         plan = plan_of(model)
         if args.parallel is not None:
@@ -252,7 +256,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     try:
         report = estimate_memory(
-            model, plan, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=args.seq,
+            model, plan, gpus=args.gpus, nodes=args.nodes, batch=args.batch,
+            seq=args.seq or default_seq(model),
             precision=args.precision, optimizer=args.optimizer,
             gpu_mem=gpu_mem, host_mem=host_mem,
             margin=MARGIN if args.margin is None else args.margin, reserve=reserve,
@@ -295,7 +300,8 @@ def _run_fit(args: argparse.Namespace, model, options, plan_of, gpu_mem, host_me
         answers = largest_fit(
             lambda v: build_target(args.target, {**options, args.fit: v}, dtype=args.dtype), at,
             keys=[k.strip() for k in args.fit_strategies.split(",") if k.strip()],
-            plan_of=plan_of, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=args.seq,
+            plan_of=plan_of, gpus=args.gpus, nodes=args.nodes, batch=args.batch,
+            seq=args.seq or default_seq(model),
             precision=args.precision, optimizer=args.optimizer,
             gpu_mem=gpu_mem if gpu_mem is not None else gpu_kind(args.gpu).memory,
             host_mem=host_mem if host_mem is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
@@ -306,6 +312,20 @@ def _run_fit(args: argparse.Namespace, model, options, plan_of, gpu_mem, host_me
         return 2
     print(format_fit(answers, args.fit))
     return 0
+
+
+DEFAULT_SEQ = 2048
+# Config fields that bound a model's sequence length (learned position tables).
+_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "n_ctx")
+
+
+def default_seq(model) -> int:
+    """``--seq`` when not given: 2048, or the model's longest sequence if its config
+    bounds it lower (BERT's 512 positions: a longer trace fails inside the model)."""
+    config = getattr(model, "config", None)
+    limits = [v for v in (getattr(config, name, None) for name in _POSITION_LIMITS)
+              if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    return min([DEFAULT_SEQ, *limits])
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

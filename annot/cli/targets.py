@@ -237,9 +237,14 @@ def _build_hf(model_type: str | None, options: dict[str, Any], directory: Path |
         raise TargetError(f"{type(config).__name__}: {_one_line(exc)}") from None
     try:
         with torch.device("meta"):
-            return factory(config, dtype=getattr(config, "dtype", None) or torch.float32)
+            model = factory(config, dtype=getattr(config, "dtype", None) or torch.float32)
     except Exception as exc:
         raise TargetError(f"building {type(config).__name__} model failed: {_one_line(exc)}") from None
+    if directory is not None:  # trainable as annot.from_pretrained loads it (and says so)
+        from annot.huggingface.pretrained import train_loaded_parameters
+
+        train_loaded_parameters(model, directory)
+    return model
 
 
 def _one_line(exc: BaseException) -> str:

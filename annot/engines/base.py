@@ -52,6 +52,7 @@ from annot.errors import EngineNotAvailableError
 from annot.meta.layout import WHOLE, ShardLayout
 from annot.meta.materialization import materialize
 from annot.policies import Action, Plan
+from annot.policies.planner import cache_writers
 from annot.process_group import rank_and_world
 from annot.runtime.activation_checkpoint import CheckpointFn, torch_checkpoint
 from annot.runtime.activation_offload import apply_activation_offload, offloaded_activation_paths
@@ -386,8 +387,18 @@ class Engine(Generic[OptionsT]):
         Plan on its device."""
 
     def checkpoint_paths(self, model: nn.Module, plan: Plan, choice: bool | None) -> list[str]:
-        """Modules to checkpoint: the Plan's (``None``), every unit (``True``), none."""
-        return unit_paths(plan, Action.CHECKPOINT, choice)
+        """Modules to checkpoint: the Plan's (``None``), every unit (``True``) but those
+        writing a key/value cache the model cannot turn off (XLM: recomputing them writes
+        it twice, pitfall 14; logged), none (``False``)."""
+        paths = unit_paths(plan, Action.CHECKPOINT, choice)
+        if choice is True:
+            writers = set(cache_writers(model, paths))
+            if writers:
+                _log.warning("checkpoint=True: not checkpointing %s: they take a key/value cache "
+                               "that %s cannot turn off; recomputing them would write it twice",
+                               ", ".join(sorted(writers)), type(model).__name__)
+                paths = [p for p in paths if p not in writers]
+        return paths
 
     def prepare(self, model: nn.Module, request: WrapRequest, options: OptionsT,
                 checkpoint_paths: Sequence[str]) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 from annot.errors import CheckpointError
 from annot.huggingface.model import is_peft_model, keep_in_fp32_names, model_factory
 
-__all__ = ["PretrainedPathError", "build_pretrained", "from_pretrained"]
+__all__ = ["PretrainedPathError", "build_pretrained", "from_pretrained", "train_loaded_parameters"]
 
 
 class PretrainedPathError(CheckpointError):
@@ -178,10 +178,47 @@ def build_pretrained(
             pass  # (and a real error in the config is raised again by that build)
         else:
             if _checkpoint_completes(model, path):
+                train_loaded_parameters(model, path)
                 return model
         torch.set_rng_state(rng[0])
         random.setstate(rng[1])
-    return build(meta_init)
+    model = build(meta_init)
+    if peft_config is None:  # PEFT freezes the base model: its choice stands
+        train_loaded_parameters(model, path)
+    return model
+
+
+def train_loaded_parameters(model: nn.Module, path: str | os.PathLike[str]) -> list[str]:
+    """Make trainable every floating-point parameter of ``model`` that the checkpoint at
+    ``path`` provides, as transformers' ``from_pretrained`` does: it wraps each loaded
+    tensor in a new ``Parameter`` with ``requires_grad=is_floating_point()``, whatever
+    the constructor chose, so Marian's, Pegasus' and RoFormer's sinusoidal position
+    tables (frozen when built) train after a load. annot matches that, because plain
+    ``from_pretrained`` is what users compare with, and says so: the changed names go
+    into the Plan's warnings (`annot.module_state.ModuleState.plan_notes`). Parameters
+    the checkpoint lacks keep their constructor's choice, as in transformers. Returns the
+    names made trainable."""
+    from annot.checkpoint_io.loading import check_keys
+    from annot.module_state import module_state
+
+    frozen = [name for name, p in model.named_parameters()
+              if not p.requires_grad and p.is_floating_point()]
+    if not frozen:
+        return []
+    try:
+        missing = set(check_keys(model, path)[0])
+    except CheckpointError:  # keys annot cannot read (converted tensors): the load refuses
+        return []
+    changed = [name for name in frozen if name not in missing]
+    for name in changed:
+        model.get_parameter(name).requires_grad_(True)
+    if changed:
+        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        module_state(model).plan_notes += (
+            f"trainable as transformers' from_pretrained loads them, though "
+            f"{type(model).__name__}'s constructor freezes them: {shown} (leave them out of "
+            "the optimizer to keep them fixed, as in eager construction)",)
+    return changed
 
 
 def _checkpoint_completes(model: nn.Module, path: Path) -> bool:

@@ -65,10 +65,11 @@ def _storage_key(t: torch.Tensor) -> int:
 def default_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Token ids of shape (batch, seq) as the model's first input, and as its targets or
     labels when ``forward`` takes them (so the loss's saved tensors count too). Vision
-    models (a ``pixel_values`` input) get images of the configured size instead."""
+    models (a ``pixel_values`` input and no ``input_ids``) get images of the configured
+    size instead: a model taking both (Fuyu: images optional) is traced on text."""
     params = inspect.signature(model.forward).parameters
     config = getattr(model, "config", None)
-    if "pixel_values" in params and config is not None:
+    if "pixel_values" in params and "input_ids" not in params and config is not None:
         size = getattr(config, "image_size", 224)
         channels = getattr(config, "num_channels", 3)
         return (), {"pixel_values": torch.zeros(batch, channels, size, size)}
@@ -304,8 +305,8 @@ def trace_step(
     try:
         with fake_mode, counter, flop_counter, _traceable_experts():
             args, kwargs = (inputs or default_inputs)(model, batch, seq)
-            if paths:  # as auto_wrap runs a checkpointed transformers model (pitfall 14)
-                kwargs = training_forward_kwargs(model, args, kwargs)
+            # A training step keeps no key/value cache, checkpointed or not (pitfall 14).
+            kwargs = training_forward_kwargs(model, args, kwargs)
             rules = _gpu_rules(autocast) if gpu_rules else None
             with rules if rules is not None else contextlib.nullcontext():
                 with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None and rules is None):

@@ -154,3 +154,14 @@ def test_modules_writing_a_cache_the_model_cannot_turn_off_are_not_checkpointed(
     assert not set(attentions) & set(plan.paths("checkpoint"))
     assert "transformer.ffns.0" in plan.paths("checkpoint")
     assert any("cannot turn off (no module takes use_cache)" in w for w in plan.warnings)
+
+
+def test_checkpoint_true_leaves_out_modules_writing_a_cache_the_model_cannot_turn_off():
+    # checkpoint=True ("every unit") recomputed XLM's attentions and crashed in backward
+    # (issue #29's sweep): every unit but those.
+    from annot.engines.registry import get_engine
+
+    model = _meta_from_config("xlm", emb_dim=64, n_layers=2, n_heads=4, vocab_size=128)
+    paths = get_engine("fsdp2").checkpoint_paths(model, annot.plan(model), True)
+    assert "transformer.ffns.0" in paths
+    assert not {"transformer.attentions.0", "transformer.attentions.1"} & set(paths)

@@ -166,6 +166,22 @@ def test_a_checkpointed_transformers_step_is_traced_without_a_kv_cache():
     assert model.config.use_cache is True  # the user's config is untouched
 
 
+@pytest.mark.slow
+def test_a_plain_transformers_step_is_traced_without_a_kv_cache_too():
+    # No training step keeps a key/value cache, checkpointed or not, so no trace does
+    # (the plain trace ran with the config's use_cache=True).
+    from annot.memory.activations import trace_step
+
+    model = _tiny_gemma2_on_meta()
+    seen = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: seen.append(kwargs.get("use_cache")),
+                                    with_kwargs=True)
+    layer = type(model.model.layers[0])
+    plan = annot.plan(model, annot.Policy(shard=annot.by_class(layer)))
+    trace_step(model, plan, batch=1, seq=16, checkpoint=False)
+    assert seen == [False]
+
+
 def test_training_forward_kwargs_turn_the_cache_off_only_where_the_forward_takes_it():
     from annot.huggingface.model import training_forward_kwargs
 
@@ -173,3 +189,19 @@ def test_training_forward_kwargs_turn_the_cache_off_only_where_the_forward_takes
     assert training_forward_kwargs(model, (), {"input_ids": 1}) == {"input_ids": 1, "use_cache": False}
     assert training_forward_kwargs(model, (), {"use_cache": True}) == {"use_cache": True}
     assert training_forward_kwargs(nn.Linear(2, 2), (), {}) == {}
+
+
+def test_a_model_taking_text_and_optional_images_is_traced_on_text():
+    # Fuyu's forward takes input_ids and pixel_values (images optional): it was traced
+    # as an image-only model and failed (issue #29).
+    from annot.memory.activations import default_inputs
+
+    class TextAndImages(torch.nn.Module):
+        config = type("Config", (), {"image_size": 8, "num_channels": 3})()
+
+        def forward(self, input_ids=None, pixel_values=None, labels=None):
+            raise AssertionError("not called")
+
+    args, kwargs = default_inputs(TextAndImages(), batch=2, seq=5)
+    assert args == () and set(kwargs) == {"input_ids", "labels"}
+    assert kwargs["input_ids"].shape == (2, 5)
