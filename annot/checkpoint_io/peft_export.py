@@ -55,7 +55,11 @@ def merged_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
         plain = entry(peft_base_name(name, adapter), tensor, layout)
         if name.endswith(".base_layer.weight"):
             lora = peft_model.get_submodule(name.removesuffix(".base_layer.weight"))
-            plain = dataclasses.replace(plain, fetch=_merged_weight(lora, tensor, adapter, layout, name))
+            # A computed value has no rows of its own to write: ``source=None`` makes a
+            # shared save gather it (`shared_save.owned_pieces`) instead of writing the
+            # unmerged base rows.
+            plain = dataclasses.replace(plain, fetch=_merged_weight(lora, tensor, adapter, layout, name),
+                                        source=None, layout=None)
         entries.append(plain)
     return entries, peft_model.get_base_model().config
 
