@@ -18,8 +18,14 @@ shortest predicted step wins (ties: the order of
 The answer is then traced as it will run (its Plan's checkpointing, selective contexts
 and offload under ``FakeTensorMode``), and ``peak_bytes`` is that traced figure; where
 it exceeds what the per-block model said, the choice is made again with the
-difference taken off the budget. A larger budget never gives a slower predicted step
-(the solver's feasible set only grows; tested).
+difference taken off the budget. The solver's feasible set only grows with the budget,
+but that re-solve does not: at a large budget the first answer can be far over and the
+tighter limit fall below what a smaller budget's first answer fitted (the Llama-3-8B
+sweep's step rose at 80 GiB so). So every traced answer is kept (`BudgetSolver._found`)
+and a budget's answer is the fastest traced answer that fits it, whichever budget it
+was found for: over the budgets one solver is asked in increasing order (the sweeps,
+the picture), a larger budget never gives a slower predicted step, by construction
+(tests/memory/test_budget_monotone.py makes the model short on purpose).
 
 ``peak_bytes`` is the counted per-GPU peak (what `annot.memory.counting.LiveBytes` counts
 in a real run); the budget must hold it times ``1 + margin`` plus ``reserve`` (the
@@ -79,6 +85,11 @@ ENGINE_CHOICES: dict[str, frozenset[str]] = {
 #: How often the answer is traced again with a tighter budget before the strategy is
 #: given up (`BudgetSolver.fit`).
 RETRACES = 3
+
+
+#: One traced answer (`BudgetSolver._found`): predicted step, strategy order, strategy,
+#: choice per block, traced device peak (counted bytes).
+_Found = tuple[float, int, Strategy, dict[str, str], int]
 
 
 class BudgetError(MemoryInputError):
@@ -275,6 +286,9 @@ class BudgetSolver:
         self._settings: dict[tuple[Any, ...], _Setting] = {}
         self._traces: dict[tuple[Any, ...], StepTrace] = {}
         self._points: dict[str, _Points] = {}
+        #: Every answer traced so far (`fit`): (step, strategy order, strategy, choices,
+        #: traced device peak) by strategy key and choices.
+        self._found: dict[tuple[str, tuple[tuple[str, str], ...]], _Found] = {}
 
     # -- traces --------------------------------------------------------------------------
     def setting(self, s: Strategy) -> _Setting:
@@ -488,7 +502,8 @@ class BudgetSolver:
             step = self._base_step(s) + found[0]
             fits[s.key] = StrategyFit(s.key, s.label, True, memory.device, step, _parts(memory))
             modelled.append((step, order, s, limit, blocks))
-        best: tuple[float, int, Strategy, dict[str, str], int] | None = None
+        counted = self._counted(budget)
+        best = self._best_found(counted)
         for step, order, s, limit, _ in sorted(modelled, key=lambda m: (m[0], m[1])):
             if best is not None and step >= best[0] * (1 - 1e-9):
                 break  # tracing only ever lowers the limit, so it cannot get faster
@@ -499,8 +514,13 @@ class BudgetSolver:
             added, blocks, memory = verified
             traced_step = self._base_step(s) + added
             fits[s.key] = StrategyFit(s.key, s.label, True, memory.device, traced_step, _parts(memory))
-            if best is None or traced_step < best[0] * (1 - 1e-9):
-                best = (traced_step, order, s, blocks, memory.device)
+            self._found[(s.key, tuple(blocks.items()))] = (traced_step, order, s, blocks, memory.device)
+            best = self._best_found(counted)
+        if best is not None and fits[best[2].key].step_time_s != best[0]:
+            # An answer traced for another budget beats what this budget's own solve gave.
+            s = best[2]
+            memory = self._memory(s, self._traced(s, best[3]))
+            fits[s.key] = StrategyFit(s.key, s.label, True, memory.device, best[0], _parts(memory))
         if best is None:
             smallest, key = self.smallest_budget()
             raise BudgetError(
@@ -516,6 +536,12 @@ class BudgetSolver:
             peak_bytes=peak, step_time_s=step, checkpoint_all_step_s=self._checkpoint_all(s, budget),
             call=_call(s, self.precision), margin=self.margin, reserve=self.reserve,
             device=self.dev.name, strategies=tuple(fits[x.key] for x in self.strategies))
+
+    def _best_found(self, counted: float) -> _Found | None:
+        """The fastest answer traced so far whose traced peak is within ``counted`` bytes
+        (ties: the earlier strategy in `strategies`, then the answer found first)."""
+        fitting = [f for f in self._found.values() if f[4] <= counted]
+        return min(fitting, key=lambda f: (f[0], f[1]), default=None)
 
     def _modelled_memory(self, s: Strategy, blocks: dict[str, str]) -> RankMemory:
         """``s``'s memory with the activations the per-block model gives ``blocks`` at
