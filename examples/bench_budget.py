@@ -3,6 +3,7 @@
     python examples/bench_budget.py          # 2-rank CPU runs of a 29M GPT at 3 budgets
     python examples/bench_budget.py --llama  # Llama-3-8B shape, 8 GPUs, seq 8192, 12-80 GiB
     python examples/bench_budget.py --solver # the solver alone on 128 blocks, timed
+    python examples/bench_budget.py --simulate  # FSDP2 answers at world 8, FSDPMemTracker
 
 Counted runs: budgets a quarter, a half and three quarters of the way from the FSDP2
 peak with every block checkpointed to the peak with none; each answer's Plan is applied
@@ -163,6 +164,47 @@ def llama_rows(budgets: tuple[int, ...] = LLAMA_BUDGETS_GIB, **options: Any) -> 
     return rows
 
 
+#: The simulated world-8 check: a GPT of 0.11B parameters (12 blocks of width 768).
+SIM_SHAPE = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=8192, block_size=1024)
+SIM_BATCH, SIM_SEQ, SIM_WORLD = 1, 1024, 8
+
+
+def simulated_rows(fractions: tuple[float, ...] = FRACTIONS) -> list[dict[str, Any]]:
+    """FSDP2 answers at ``SIM_WORLD`` ranks for budgets ``fractions`` of the way from the
+    all-checkpointed to the plain peak, each applied (checkpointing and selective
+    contexts by its Plan) and measured with torch's FSDPMemTracker under the fake
+    process group (`examples.bench_memory.tracked_fsdp2_peak`), beside ``peak_bytes``."""
+    from annot.memory.choices import device as cost_device
+    from annot.runtime.activation_checkpoint import torch_checkpoint
+    from annot.runtime.selective_checkpoint import apply_plan_checkpointing
+    from examples.bench_memory import tracked_fsdp2_peak
+    from examples.gpt.model import GPT
+
+    with torch.device("meta"):
+        meta = GPT(**SIM_SHAPE)
+    # The cost model of an H100 without its host link: the simulation runs no offload.
+    solver = budget_solver(meta, gpus=SIM_WORLD, batch=SIM_BATCH, seq=SIM_SEQ, precision="fp32",
+                           device=cost_device("H100", host_bw=0.0), margin=0.0, reserve=0,
+                           strategies=STRATEGIES)
+    s = solver.strategies[0]
+    low = solver._memory(s, solver._traced(s, dict.fromkeys(solver.paths, "checkpoint"))).device
+    high = solver._memory(s, solver._traced(s, dict.fromkeys(solver.paths, "none"))).device
+    size = dict(shape=SIM_SHAPE, batch=SIM_BATCH, seq=SIM_SEQ)
+    rows = []
+    for f in fractions:
+        budget = int(low + f * (high - low))
+        answer = solver.fit(budget)
+        plan = answer.plan
+
+        def prepare(model: torch.nn.Module, plan: Any = plan) -> None:
+            apply_plan_checkpointing(model, plan, plan.paths("checkpoint"), torch_checkpoint)
+
+        measured = tracked_fsdp2_peak(size, SIM_WORLD, plan, prepare)
+        rows.append(dict(budget=budget, predicted=answer.peak_bytes, measured=measured,
+                         blocks=answer.blocks))
+    return rows
+
+
 def solver_timing(blocks: int = 128) -> float:
     """Seconds `annot.memory.solver.solve` takes for ``blocks`` Llama-like blocks with
     five choices each, at a budget that mixes them."""
@@ -181,6 +223,14 @@ def main() -> None:
         return
     if "--solver" in sys.argv:
         print(f"solver, 128 blocks x 5 choices: {solver_timing():.3f} s")
+        return
+    if "--simulate" in sys.argv:
+        print("| budget (MiB) | peak_bytes (MiB) | FSDPMemTracker (MiB) | tracker/predicted | choices |")
+        print("|---:|---:|---:|---:|---|")
+        for r in simulated_rows():
+            choices = {c: sum(v == c for v in r["blocks"].values()) for c in set(r["blocks"].values())}
+            print(f"| {r['budget'] / 2**20:.1f} | {r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} "
+                  f"| {r['measured'] / r['predicted']:.3f} | {choices} |")
         return
     if "--llama" in sys.argv:
         print("| budget | strategy | peak (GiB) | step (s) | checkpoint all (s) | recomputed blocks | choices |")

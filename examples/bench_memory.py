@@ -27,6 +27,7 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,19 +168,7 @@ SIMULATED = dict(shape=dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50304
 
 def simulate_fsdp2(size: dict[str, Any], world: int, checkpoint: bool) -> tuple[int, int]:
     """(torch's FSDPMemTracker peak, the planner's figure) for rank 0 of ``world`` FSDP2
-    ranks, simulated in this process: FakeTensorMode (no memory) and torch's fake process
-    group, the model sharded by annot's FSDP2 step (`apply_fsdp2`, as `auto_wrap` does),
-    2 training steps. AdamW runs with ``foreach=False`` here: over fake DTensors the
-    tracker counts foreach AdamW's temporaries many times over (1.3B model: 16.5 GiB of
-    "optimizer state" for 1.2 GiB of states it holds afterwards), an artefact of the
-    simulation; the peak is in backward either way."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from annot.engines.fsdp2 import apply_fsdp2
+    ranks with every block checkpointed or none (`tracked_fsdp2_peak`)."""
     from annot.memory.activations import trace_step
     from annot.memory.engine_memory import model_facts
     from annot.memory.report import strategy_memory
@@ -189,13 +178,43 @@ def simulate_fsdp2(size: dict[str, Any], world: int, checkpoint: bool) -> tuple[
     with torch.device("meta"):
         meta = GPT(**size["shape"])
     plan = annot.plan(meta)
+
+    def prepare(model: torch.nn.Module) -> None:
+        if checkpoint:
+            apply_checkpointing(model, plan.paths("checkpoint"))
+
+    measured = tracked_fsdp2_peak(size, world, plan, prepare)
+    trace = trace_step(meta, plan, batch=size["batch"], seq=size["seq"], checkpoint=checkpoint)
+    planned = strategy_memory(strategy("fsdp2"), trace, model_facts(meta, plan), plan, world=world,
+                              precision="fp32", optimizer="adamw")
+    return measured, planned.device
+
+
+def tracked_fsdp2_peak(size: dict[str, Any], world: int, plan: Any,
+                       prepare: Callable[[torch.nn.Module], None]) -> int:
+    """Torch's FSDPMemTracker peak for rank 0 of ``world`` FSDP2 ranks of the GPT of
+    ``size``, simulated in this process: FakeTensorMode (no memory) and torch's fake
+    process group; ``prepare`` installs the activation tools (checkpointing) on the
+    model, then annot's FSDP2 step shards it by ``plan`` (`apply_fsdp2`, as `auto_wrap`
+    does); 2 training steps. AdamW runs with ``foreach=False`` here: over fake DTensors
+    the tracker counts foreach AdamW's temporaries many times over (1.3B model: 16.5 GiB
+    of "optimizer state" for 1.2 GiB of states it holds afterwards), an artefact of the
+    simulation; the peak is in backward either way."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from annot.engines.fsdp2 import apply_fsdp2
+    from examples.gpt.model import GPT
+
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (world,))  # outside fake mode: it reads its ranks
         with FakeTensorMode():
             model = GPT(**size["shape"])
-            if checkpoint:
-                apply_checkpointing(model, plan.paths("checkpoint"))
+            prepare(model)
             apply_fsdp2(model, plan, offload=False, mixed_precision=None, reshard_after_forward=True,
                         mesh=mesh, device=torch.device("cpu"))
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
@@ -211,13 +230,9 @@ def simulate_fsdp2(size: dict[str, Any], world: int, checkpoint: bool) -> tuple[
                     del loss
                     if step == 0:
                         tracker.reset_mod_stats()  # the tracker's rule for a second step
-            measured = int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
+            return int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
     finally:
         dist.destroy_process_group()
-    trace = trace_step(meta, plan, batch=size["batch"], seq=size["seq"], checkpoint=checkpoint)
-    planned = strategy_memory(strategy("fsdp2"), trace, model_facts(meta, plan), plan, world=world,
-                              precision="fp32", optimizer="adamw")
-    return measured, planned.device
 
 
 def main() -> None:

@@ -18,8 +18,14 @@ shortest predicted step wins (ties: the order of
 The answer is then traced as it will run (its Plan's checkpointing, selective contexts
 and offload under ``FakeTensorMode``), and ``peak_bytes`` is that traced figure; where
 it exceeds what the per-block model said, the choice is made again with the
-difference taken off the budget. A larger budget never gives a slower predicted step
-(the solver's feasible set only grows; tested).
+difference taken off the budget. The solver's feasible set only grows with the budget,
+but that re-solve does not: at a large budget the first answer can be far over and the
+tighter limit fall below what a smaller budget's first answer fitted (the Llama-3-8B
+sweep's step rose at 80 GiB so). So every traced answer is kept (`BudgetSolver._found`)
+and a budget's answer is the fastest traced answer that fits it, whichever budget it
+was found for: over the budgets one solver is asked in increasing order (the sweeps,
+the picture), a larger budget never gives a slower predicted step, by construction
+(tests/memory/test_budget_monotone.py makes the model short on purpose).
 
 ``peak_bytes`` is the counted per-GPU peak (what `annot.memory.counting.LiveBytes` counts
 in a real run); the budget must hold it times ``1 + margin`` plus ``reserve`` (the
@@ -59,6 +65,7 @@ from annot.memory.report import (
     step_time,
     strategy_memory,
 )
+from annot.memory.representative import block_stack, cut_model, fast_trace_step
 from annot.memory.solver import solve
 from annot.memory.strategies import PRECISIONS, STRATEGIES, MemoryInputError, Strategy, strategy
 from annot.policies import Action, Plan, Policy, Rule, make_plan
@@ -79,6 +86,11 @@ ENGINE_CHOICES: dict[str, frozenset[str]] = {
 #: How often the answer is traced again with a tighter budget before the strategy is
 #: given up (`BudgetSolver.fit`).
 RETRACES = 3
+
+
+#: One traced answer (`BudgetSolver._found`): predicted step, strategy order, strategy,
+#: choice per block, traced device peak (counted bytes).
+_Found = tuple[float, int, Strategy, dict[str, str], int]
 
 
 class BudgetError(MemoryInputError):
@@ -180,12 +192,14 @@ def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, se
                   intra_node_bw: float = INTRA_NODE_BW, inter_node_bw: float = INTER_NODE_BW,
                   margin: float = MARGIN, reserve: int = RESERVE,
                   strategies: Sequence[str] | None = None, choices: Sequence[str] = CHOICES,
-                  inputs: InputsFn | None = None) -> BudgetSolver:
+                  inputs: InputsFn | None = None, fast_trace: bool = True) -> BudgetSolver:
     """A `BudgetSolver` for ``model``: the traces are made once, each `BudgetSolver.fit`
     solves one budget. ``device`` names the cost model's figures
     (`annot.memory.choices.DEVICES`), each overridable (TFLOP/s, GB/s); ``strategies``
     the strategy keys weighed (default: every one-dimensional strategy), ``choices`` the
-    block choices allowed. NVMe strategies are weighed only when named (their speed is
+    block choices allowed; ``fast_trace=False`` traces every block instead of a
+    representative few (`annot.memory.representative`; the answers are the same, it is
+    slower). NVMe strategies are weighed only when named (their speed is
     the drives'); on a device without a host link (``cpu``) no offload is."""
     if precision not in PRECISIONS:
         raise MemoryInputError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
@@ -209,7 +223,8 @@ def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, se
                       inter_node_bw=inter_node_bw * 1e9, flops=dev.tflops * 1e12)
     return BudgetSolver(model=model, plan=plan, strategies=tuple(chosen), network=network, dev=dev,
                         batch=batch, seq=seq, precision=precision, optimizer=optimizer,
-                        margin=margin, reserve=reserve, choices=tuple(choices), inputs=inputs)
+                        margin=margin, reserve=reserve, choices=tuple(choices), inputs=inputs,
+                        fast_trace=fast_trace)
 
 
 def _device(name: str, tflops: float | None, hbm_bw: float | None, host_bw: float | None) -> Device:
@@ -262,6 +277,10 @@ class BudgetSolver:
     reserve: int
     choices: tuple[str, ...]
     inputs: InputsFn | None = None
+    #: Trace a representative few blocks of the longest stack of identical blocks and
+    #: grow them (`annot.memory.representative`) wherever every block is alike: the
+    #: plain step, the block profiles, and answers with one choice for every block.
+    fast_trace: bool = True
 
     def __post_init__(self) -> None:
         self.paths = block_paths(self.plan)
@@ -275,18 +294,45 @@ class BudgetSolver:
         self._settings: dict[tuple[Any, ...], _Setting] = {}
         self._traces: dict[tuple[Any, ...], StepTrace] = {}
         self._points: dict[str, _Points] = {}
+        #: Every answer traced so far (`fit`): (step, strategy order, strategy, choices,
+        #: traced device peak) by strategy key and choices.
+        self._found: dict[tuple[str, tuple[tuple[str, str], ...]], _Found] = {}
 
     # -- traces --------------------------------------------------------------------------
     def setting(self, s: Strategy) -> _Setting:
         dtype, autocast = _trace_setting(s, self.precision)
         key = (dtype, autocast)
         if key not in self._settings:
-            blocks, _ = profile_blocks(self.model, self.paths, batch=self.batch, seq=self.seq,
-                                       dtype=dtype, autocast=autocast, inputs=self.inputs)
-            trace = trace_step(self.model, self.plan, batch=self.batch, seq=self.seq, checkpoint=False,
-                               dtype=dtype, autocast=autocast, inputs=self.inputs)
+            blocks = self._profiles(dtype, autocast)
+            trace = (fast_trace_step if self.fast_trace else trace_step)(
+                self.model, self.plan, batch=self.batch, seq=self.seq, checkpoint=False,
+                dtype=dtype, autocast=autocast, inputs=self.inputs)
             self._settings[key] = _Setting(blocks, trace)
         return self._settings[key]
+
+    def _profiles(self, dtype: torch.dtype | None, autocast: torch.dtype | None) -> list[BlockProfile]:
+        """`profile_blocks` of every block. With `fast_trace` and a `block_stack`, the
+        model cut to 3 blocks is profiled instead: block 0 stands for itself, block 1
+        for every middle block, block 2 for the last (the first block's input and the
+        last block's output meet other modules; the middle ones are alike), other
+        units for themselves. A model whose forward needs all its blocks is profiled
+        whole."""
+        kwargs: dict[str, Any] = dict(batch=self.batch, seq=self.seq, dtype=dtype, autocast=autocast,
+                                      inputs=self.inputs)
+        stack = block_stack(self.model, self.plan) if self.fast_trace else None
+        if stack is None:
+            return profile_blocks(self.model, self.paths, **kwargs)[0]
+        cut = 3
+        source = {stack.path(i): stack.path(i if i < cut - 1 else 1 if i < stack.count - 1 else cut - 1)
+                  for i in range(stack.count)}
+        kept = [source.get(p, p) for p in self.paths]
+        try:
+            with cut_model(self.model, self.plan, stack, cut):
+                found, _ = profile_blocks(self.model, list(dict.fromkeys(kept)), **kwargs)
+        except Exception:  # the model needs all its blocks: profile it whole
+            return profile_blocks(self.model, self.paths, **kwargs)[0]
+        by_path = {b.path: b for b in found}
+        return [dataclasses.replace(by_path[k], path=p) for p, k in zip(self.paths, kept, strict=True)]
 
     def points(self, s: Strategy) -> _Points:
         """`_Points` of ``s``, from the plain step's trace: each stretch of it (top and
@@ -397,12 +443,15 @@ class BudgetSolver:
         offloaded = [u.path for u in plan.units if u.offload_activations]
 
         def prepare(copy: nn.Module) -> None:
-            apply_plan_checkpointing(copy, plan, checkpointed, torch_checkpoint)
+            # A cut copy (`fast_trace_step`) lacks the blocks cut away.
+            apply_plan_checkpointing(copy, plan, [p for p in checkpointed if _has(copy, p)], torch_checkpoint)
             for path in offloaded:
-                _traced_offload(copy.get_submodule(path))
+                if _has(copy, path):
+                    _traced_offload(copy.get_submodule(path))
 
-        return trace_step(self.model, plan, batch=self.batch, seq=self.seq, checkpoint=bool(checkpointed),
-                          dtype=dtype, autocast=autocast, inputs=self.inputs, prepare=prepare)
+        trace = fast_trace_step if self.fast_trace and _alike(plan, self.model) else trace_step
+        return trace(self.model, plan, batch=self.batch, seq=self.seq, checkpoint=bool(checkpointed),
+                     dtype=dtype, autocast=autocast, inputs=self.inputs, prepare=prepare)
 
     def _base_step(self, s: Strategy) -> float:
         """The predicted step of ``s`` with no block recomputed or offloaded: compute and
@@ -488,7 +537,8 @@ class BudgetSolver:
             step = self._base_step(s) + found[0]
             fits[s.key] = StrategyFit(s.key, s.label, True, memory.device, step, _parts(memory))
             modelled.append((step, order, s, limit, blocks))
-        best: tuple[float, int, Strategy, dict[str, str], int] | None = None
+        counted = self._counted(budget)
+        best = self._best_found(counted)
         for step, order, s, limit, _ in sorted(modelled, key=lambda m: (m[0], m[1])):
             if best is not None and step >= best[0] * (1 - 1e-9):
                 break  # tracing only ever lowers the limit, so it cannot get faster
@@ -499,8 +549,13 @@ class BudgetSolver:
             added, blocks, memory = verified
             traced_step = self._base_step(s) + added
             fits[s.key] = StrategyFit(s.key, s.label, True, memory.device, traced_step, _parts(memory))
-            if best is None or traced_step < best[0] * (1 - 1e-9):
-                best = (traced_step, order, s, blocks, memory.device)
+            self._found[(s.key, tuple(blocks.items()))] = (traced_step, order, s, blocks, memory.device)
+            best = self._best_found(counted)
+        if best is not None and fits[best[2].key].step_time_s != best[0]:
+            # An answer traced for another budget beats what this budget's own solve gave.
+            s = best[2]
+            memory = self._memory(s, self._traced(s, best[3]))
+            fits[s.key] = StrategyFit(s.key, s.label, True, memory.device, best[0], _parts(memory))
         if best is None:
             smallest, key = self.smallest_budget()
             raise BudgetError(
@@ -516,6 +571,12 @@ class BudgetSolver:
             peak_bytes=peak, step_time_s=step, checkpoint_all_step_s=self._checkpoint_all(s, budget),
             call=_call(s, self.precision), margin=self.margin, reserve=self.reserve,
             device=self.dev.name, strategies=tuple(fits[x.key] for x in self.strategies))
+
+    def _best_found(self, counted: float) -> _Found | None:
+        """The fastest answer traced so far whose traced peak is within ``counted`` bytes
+        (ties: the earlier strategy in `strategies`, then the answer found first)."""
+        fitting = [f for f in self._found.values() if f[4] <= counted]
+        return min(fitting, key=lambda f: (f[0], f[1]), default=None)
 
     def _modelled_memory(self, s: Strategy, blocks: dict[str, str]) -> RankMemory:
         """``s``'s memory with the activations the per-block model gives ``blocks`` at
@@ -554,6 +615,27 @@ class BudgetSolver:
         least = {b.path: _least(b, self._allowed(s)) for b in self.setting(s).blocks}
         traced = self._memory(s, self._traced(s, least)).device
         return max(need, int(traced * (1 + self.margin) + self.reserve) + 1), s.key
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _alike(plan: Plan, model: nn.Module) -> bool:
+    """Whether every block of ``model``'s `block_stack` has the same choice in ``plan``
+    (what `fast_trace_step`'s growing assumes; mixed choices are traced whole)."""
+    stack = block_stack(model, plan)
+    if stack is None:
+        return False
+    units = {u.path: u for u in plan.units}
+    members = [units.get(stack.path(i)) for i in range(stack.count)]
+    kinds = {(u.has(Action.CHECKPOINT), u.checkpoint_policy, u.offload_activations) if u is not None else None
+             for u in members}
+    return len(kinds) == 1 and None not in kinds
 
 
 def _least(block: BlockProfile, allowed: list[str]) -> str:

@@ -176,6 +176,10 @@ class _Recorder(TorchDispatchMode):
             block["matmul_flops"] += flops
             for t in outputs:
                 block["matmul_keys"][_key(t)] = t.untyped_storage().nbytes()
+                # Held until the profile ends: a storage freed within the block could
+                # be reused at the same address by a later matmul output and counted
+                # once for two (the whole model's profile and a cut one's differed so).
+                block.setdefault("alive", []).append(t.untyped_storage())
         else:
             block["pointwise"] += sum(t.numel() * t.element_size() for t in outputs)
         return out

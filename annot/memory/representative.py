@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from annot.memory.activations import (
 )
 from annot.policies import Action, Plan
 
-__all__ = ["MIN_BLOCKS", "BlockStack", "block_stack", "fast_trace_activations", "fast_trace_step"]
+__all__ = ["MIN_BLOCKS", "BlockStack", "block_stack", "cut_model", "fast_trace_activations", "fast_trace_step"]
 
 #: Stacks shorter than this are traced whole (cutting saves nothing).
 MIN_BLOCKS = 12
@@ -105,6 +105,10 @@ def _cut(model: nn.Module, plan: Plan, stack: BlockStack, keep: int) -> Iterator
         holder._modules = original
 
 
+#: The cut as other modules use it (`annot.memory.budget` profiles 3 blocks so).
+cut_model = _cut
+
+
 def _linear(small: int, large: int, blocks: int) -> int:
     """A total at ``blocks`` from its values at `_CUTS` blocks."""
     return large + (blocks - _CUTS[1]) * (large - small)
@@ -142,11 +146,14 @@ def fast_trace_activations(model: nn.Module, plan: Plan | None, *, batch: int, s
 
 def fast_trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, checkpoint: bool,
                     dtype: torch.dtype | None = None, autocast: torch.dtype | None = None,
-                    inputs: InputsFn | None = None, gpu_rules: bool = False) -> StepTrace:
+                    inputs: InputsFn | None = None, gpu_rules: bool = False,
+                    prepare: Callable[[nn.Module], None] | None = None) -> StepTrace:
     """`trace_step`, from two cut traces when ``model`` has a `block_stack` whose
-    stretches repeat."""
+    stretches repeat. ``prepare`` (`trace_step`'s) sees each cut copy: it must skip the
+    paths of blocks cut away and treat every block alike."""
     kwargs: dict[str, Any] = dict(batch=batch, seq=seq, checkpoint=checkpoint, dtype=dtype,
-                                  autocast=autocast, inputs=inputs, gpu_rules=gpu_rules)
+                                  autocast=autocast, inputs=inputs, gpu_rules=gpu_rules,
+                                  prepare=prepare)
     stack = block_stack(model, plan)
     if stack is None or plan is None:
         return trace_step(model, plan, **kwargs)
