@@ -102,8 +102,7 @@ def test_a_cp_size_that_does_not_divide_a_node_is_refused():
         estimate_memory(model, gpus=4, seq=SEQ, precision="fp32", gpu_mem=GiB, host_mem=GiB, cp=(3,))
 
 
-@pytest.mark.sweep
-def test_llama3_8b_at_131072_tokens_on_8_gpus_fits_only_with_cp8():
+def _llama3_8b() -> torch.nn.Module:
     import transformers
 
     config = transformers.LlamaConfig(
@@ -112,7 +111,12 @@ def test_llama3_8b_at_131072_tokens_on_8_gpus_fits_only_with_cp8():
         rope_theta=500000.0, tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+        return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.sweep
+def test_llama3_8b_at_131072_tokens_on_8_gpus_fits_only_with_cp8():
+    model = _llama3_8b()
     report = estimate_memory(model, gpus=8, seq=131072, batch=1, gpu_mem=80 * GiB,
                              host_mem=1024 * GiB, cp=(8,))
     others = [r for r in report.rows if r.key != "fsdp2-cp8"]
@@ -162,3 +166,32 @@ def test_a_ulysses_row_holds_no_gathered_keys_and_passes_its_option():
     assert row.detail.parts["cp: repeated key/value heads"] == 0
     assert row.time is not None
     assert {c.op for c in row.time.comm.collectives if c.dim == "cp"} == {"all-to-all"}
+
+
+def test_the_budget_chooser_weighs_cp_layouts_at_a_rank_s_part_of_the_sequence():
+    from annot.memory.budget import budget_solver
+
+    with torch.device("meta"):
+        model = GPT(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=SEQ)
+    solver = budget_solver(model, gpus=2, batch=2, seq=SEQ, precision="fp32", device="cpu",
+                           strategies=("fsdp2",), cp=(2,), reserve=0)
+    assert [s.key for s in solver.strategies] == ["fsdp2", "fsdp2-cp2"]
+    fsdp2, cp2 = solver.strategies
+    assert solver.seq_of(cp2) == SEQ // 2 and solver.setting(cp2).trace.seq == SEQ // 2
+    # each rank keeps half the tokens' activations, plus half the keys and values
+    plain = solver.setting(fsdp2).trace.peak
+    assert solver.setting(cp2).trace.peak < plain
+    answer = solver.fit(GiB)
+    assert {f.key for f in answer.strategies} == {"fsdp2", "fsdp2-cp2"}
+    assert "cp: other ranks' keys and values" in answer.strategies[1].parts
+
+
+@pytest.mark.sweep
+def test_llama3_8b_at_131072_tokens_on_8_gpus_has_a_budget_answer_only_with_cp():
+    from annot.memory.budget import BudgetError, fit_budget
+
+    model = _llama3_8b()
+    with pytest.raises(BudgetError, match="nothing fits 80.00 GiB"):
+        fit_budget(model, 80 * GiB, gpus=8, batch=1, seq=131072)
+    answer = fit_budget(model, 80 * GiB, gpus=8, batch=1, seq=131072, cp=(2, 4, 8))
+    assert answer.strategy.startswith("fsdp2-cp") and answer.peak_bytes <= 80 * GiB
