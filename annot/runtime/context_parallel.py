@@ -85,9 +85,12 @@ def refuse_unsplittable(model: nn.Module, cp: int = 1, attention: str = "allgath
             "numbers positions from 0 would give them the wrong ones. Add a position_ids "
             "argument (annot passes each token's place in the sequence)")
     check_attention_modules(model)
-    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
-    if attention == "ulysses" and isinstance(heads, int):
-        refuse_head_counts(heads, cp, f"{type(model).__name__} (config.num_attention_heads)")
+    config = getattr(model, "config", None)
+    for name in ("num_attention_heads", "n_head"):  # transformers', minGPT's
+        heads = getattr(config, name, None)
+        if attention == "ulysses" and isinstance(heads, int):
+            refuse_head_counts(heads, cp, f"{type(model).__name__} (config.{name})")
+            break
 
 
 class _SumOverGroup(torch.autograd.Function):

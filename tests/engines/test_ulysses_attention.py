@@ -132,6 +132,11 @@ def test_a_config_whose_heads_do_not_divide_is_refused_before_wrapping():
     refuse_unsplittable(model, 2, "ulysses")  # divides: accepted
 
 
+def test_a_minGPT_config_whose_heads_do_not_divide_is_refused_before_wrapping():
+    with pytest.raises(AttentionNotSplittableError, match=r"GPT \(config.n_head\) has 2 query heads.*cp 4"):
+        refuse_unsplittable(build("gpt"), 4, "ulysses")
+
+
 def test_an_unknown_cp_attention_is_refused_with_the_choices():
     from annot.engines.fsdp2 import FSDP2Options
 
