@@ -10,7 +10,15 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["run_budget"]
+__all__ = ["cp_sizes", "run_budget"]
+
+
+def cp_sizes(text: str) -> tuple[int, ...]:
+    """``--cp 2,4,8`` as sizes (a `ValueError` naming the option for anything else)."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--cp {text!r}: give sizes as integers, comma-separated (e.g. 2,4,8)") from None
 
 
 def run_budget(args: argparse.Namespace, model: Any, plan: Any, budget: int | None,
@@ -29,7 +37,8 @@ def run_budget(args: argparse.Namespace, model: Any, plan: Any, budget: int | No
             precision=args.precision, optimizer=args.optimizer, device=args.device,
             tflops=args.tflops, hbm_bw=args.hbm_bw, host_bw=args.host_bw,
             margin=MARGIN if args.margin is None else args.margin,
-            reserve=RESERVE if reserve is None else reserve)
+            reserve=RESERVE if reserve is None else reserve, cp=cp_sizes(args.cp),
+            cp_attention=args.cp_attention)
         answer = solver.fit(budget)
         if args.plot is not None:
             from annot.memory.plot import plot_budget

@@ -121,6 +121,9 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     memory.add_argument("--cp", metavar="SIZES", default="",
                         help="context-parallel sizes to weigh, comma-separated (e.g. 2,4,8): "
                              "rows FSDP2 + CP c, each sequence split over c GPUs of a node")
+    memory.add_argument("--cp-attention", choices=("allgather", "ulysses"), default="allgather",
+                        help="how the --cp rows split attention: keys and values all-gathered "
+                             "(default) or Ulysses' all-to-all over heads")
     budget = p.add_argument_group("memory budget (--memory --budget SIZE)")
     budget.add_argument("--budget", metavar="SIZE",
                         help="choose the strategy and, per block, none/selective/checkpoint/"
@@ -248,6 +251,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(f"annot plan: error: {exc}", file=sys.stderr)
             return 2
         return run_budget(args, model, plan, budget, reserve)
+    from annot.cli.budget import cp_sizes
     from annot.memory import MARGIN, estimate_memory
     from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, TFLOPS
 
@@ -263,7 +267,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             margin=MARGIN if args.margin is None else args.margin, reserve=reserve,
             intra_node_bw=given(args.intra_node_bw, INTRA_NODE_BW),
             inter_node_bw=given(args.inter_node_bw, INTER_NODE_BW), tflops=given(args.tflops, TFLOPS),
-            cp=_cp_sizes(args.cp),
+            cp=cp_sizes(args.cp), cp_attention=args.cp_attention,
             deepspeed_config=args.deepspeed_config, gpu=args.gpu,
         )
     except (AnnotError, ValueError) as exc:
@@ -346,10 +350,3 @@ def _size(text: str | None, option: str) -> int | None:
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
-
-def _cp_sizes(text: str) -> tuple[int, ...]:
-    """``--cp 2,4,8`` as sizes (a `ValueError` naming the option for anything else)."""
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ValueError(f"--cp {text!r}: give sizes as integers, comma-separated (e.g. 2,4,8)") from None

@@ -62,7 +62,7 @@ from annot.engines.training_state import TorchState
 from annot.host_memory import pin_host_memory
 from annot.policies import Action, Plan, Unit
 from annot.policies.parallel import ParallelDims
-from annot.runtime.context_parallel import ContextParallel, refuse_unsplittable
+from annot.runtime.context_parallel import ATTENTIONS, ContextParallel, refuse_unsplittable
 
 __all__ = [
     "FSDP2", "FSDP2Options", "apply_fsdp2", "holds_fsdp2", "mixed_precision_policy",
@@ -98,6 +98,10 @@ class FSDP2Options:
             (``optimizer=`` is needed) splits each call's sequences over the cp ranks
             (`annot.runtime.context_parallel`). A mesh that does not cover the world is
             refused unless the model's parameters are already DTensors over the rest.
+        cp_attention: how attention is split over a ``"cp"`` dimension: ``"allgather"``
+            (each rank gathers the whole sequence's keys and values, any head count) or
+            ``"ulysses"`` (an all-to-all over heads: each rank attends over the whole
+            sequence for heads/cp heads; query heads must divide by cp).
         tp_plan: what tensor parallelism splits: ``None`` the model's own plan (a
             transformers model's ``_tp_plan``), `annot.tp_rule` (Linear layers by name),
             or a mapping of module patterns to styles (transformers' form). Only with a
@@ -110,8 +114,12 @@ class FSDP2Options:
     mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None
     mesh: MeshLike | None = None
     tp_plan: TPSource = None
+    cp_attention: str = "allgather"
 
     def __post_init__(self) -> None:
+        if self.cp_attention not in ATTENTIONS:
+            raise ValueError(f"fsdp2: cp_attention={self.cp_attention!r}: choose one of "
+                             f"{sorted(ATTENTIONS)}")
         object.__setattr__(self, "offload", resolve_torch_offload(self.offload, "fsdp2"))
         object.__setattr__(self, "mixed_precision", resolve_dtype(self.mixed_precision))
         # What is known here; a mesh from the Plan's parallel dims is checked in `check`.
@@ -165,7 +173,7 @@ class FSDP2(Engine[FSDP2Options]):
             refuse_unsynchronised_mesh(model, mesh)
             self.cp_mesh = context_parallel_mesh(mesh)
             if self.cp_mesh is not None:
-                refuse_unsplittable(model)
+                refuse_unsplittable(model, self.cp_mesh.size(), options.cp_attention)
         if self.tp_mesh is not None:
             self.tp_plan = check_tensor_parallel(model, options.tp_plan, self.tp_mesh.size())
         elif options.tp_plan is not None:
@@ -191,7 +199,8 @@ class FSDP2(Engine[FSDP2Options]):
                   options: FSDP2Options, *, device: torch.device | None = None) -> Trainable:
         trainable = super().trainable(wrapped, model, optimizer, options, device=device)
         if self.cp_mesh is not None:
-            trainable.context_parallel = ContextParallel(self.cp_mesh.get_group(), model)
+            trainable.context_parallel = ContextParallel(self.cp_mesh.get_group(), model,
+                                                         options.cp_attention)
         return trainable
 
     def loss_scaler(self, options: FSDP2Options, device: torch.device) -> ShardedGradScaler | None:

@@ -56,6 +56,7 @@ from annot.memory.choices import (
     profile_blocks,
 )
 from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, Network, param_records
+from annot.memory.context_parallel import AttentionShape, attention_shape, cp_strategies
 from annot.memory.engine_memory import RankMemory, _bytes, model_facts
 from annot.memory.report import (
     MARGIN,
@@ -180,7 +181,7 @@ def fit_budget(model: nn.Module, budget: int, *, gpus: int, nodes: int = 1, batc
     budget that would, otherwise). ``gpus`` per node, ``batch`` the micro-batch per GPU.
     ``options``: those of `budget_solver` (``plan``, ``optimizer``, ``device``,
     ``tflops``, ``hbm_bw``, ``host_bw``, ``margin``, ``reserve``, ``strategies``,
-    ``choices``, ``inputs``)."""
+    ``choices``, ``inputs``, ``cp``, ``cp_attention``)."""
     return budget_solver(model, gpus=gpus, nodes=nodes, batch=batch, seq=seq, precision=precision,
                          **options).fit(budget)
 
@@ -192,7 +193,8 @@ def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, se
                   intra_node_bw: float = INTRA_NODE_BW, inter_node_bw: float = INTER_NODE_BW,
                   margin: float = MARGIN, reserve: int = RESERVE,
                   strategies: Sequence[str] | None = None, choices: Sequence[str] = CHOICES,
-                  inputs: InputsFn | None = None, fast_trace: bool = True) -> BudgetSolver:
+                  inputs: InputsFn | None = None, fast_trace: bool = True, cp: Sequence[int] = (),
+                  cp_attention: str = "allgather") -> BudgetSolver:
     """A `BudgetSolver` for ``model``: the traces are made once, each `BudgetSolver.fit`
     solves one budget. ``device`` names the cost model's figures
     (`annot.memory.choices.DEVICES`), each overridable (TFLOP/s, GB/s); ``strategies``
@@ -200,7 +202,11 @@ def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, se
     block choices allowed; ``fast_trace=False`` traces every block instead of a
     representative few (`annot.memory.representative`; the answers are the same, it is
     slower). NVMe strategies are weighed only when named (their speed is
-    the drives'); on a device without a host link (``cpu``) no offload is."""
+    the drives'); on a device without a host link (``cpu``) no offload is. ``cp``:
+    context-parallel sizes weighed besides, each ``FSDP2 + CP c`` (each sequence split
+    over ``c`` ranks of a node: traced at ``seq / c``, with the cp group's keys and
+    values, collectives and FLOPs, `annot.memory.context_parallel`), with attention split
+    as ``cp_attention`` says (``"allgather"`` or ``"ulysses"``)."""
     if precision not in PRECISIONS:
         raise MemoryInputError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     unknown = [c for c in choices if c not in CHOICES]
@@ -219,12 +225,17 @@ def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, se
     if dev.host_bw <= 0 and any(s.offload_optimizer is not None or s.offload_params for s in chosen):
         raise MemoryInputError(f"device {dev.name!r} has no host link (host_bw=0): leave the "
                                "strategies that offload to the host out, or give host_bw=")
+    for c in cp:
+        if seq % (2 * c):
+            raise MemoryInputError(f"cp={c}: seq {seq} is not a multiple of {2 * c} (each sequence "
+                                   f"is split into {2 * c} equal chunks)")
+    chosen += cp_strategies(tuple(cp), gpus, gpus * nodes, cp_attention)
     network = Network(gpus_per_node=gpus, nodes=nodes, intra_node_bw=intra_node_bw * 1e9,
                       inter_node_bw=inter_node_bw * 1e9, flops=dev.tflops * 1e12)
     return BudgetSolver(model=model, plan=plan, strategies=tuple(chosen), network=network, dev=dev,
                         batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                         margin=margin, reserve=reserve, choices=tuple(choices), inputs=inputs,
-                        fast_trace=fast_trace)
+                        fast_trace=fast_trace, attention=attention_shape(model) if cp else None)
 
 
 def _device(name: str, tflops: float | None, hbm_bw: float | None, host_bw: float | None) -> Device:
@@ -281,6 +292,8 @@ class BudgetSolver:
     #: grow them (`annot.memory.representative`) wherever every block is alike: the
     #: plain step, the block profiles, and answers with one choice for every block.
     fast_trace: bool = True
+    #: The attention's shape, for context-parallel strategies (``None``: none weighed).
+    attention: AttentionShape | None = None
 
     def __post_init__(self) -> None:
         self.paths = block_paths(self.plan)
@@ -299,25 +312,32 @@ class BudgetSolver:
         self._found: dict[tuple[str, tuple[tuple[str, str], ...]], _Found] = {}
 
     # -- traces --------------------------------------------------------------------------
+    def seq_of(self, s: Strategy) -> int:
+        """The tokens of a sequence one rank of ``s`` holds (``seq / cp`` under context
+        parallelism)."""
+        return self.seq // dict(s.mesh).get("cp", 1)
+
     def setting(self, s: Strategy) -> _Setting:
         dtype, autocast = _trace_setting(s, self.precision)
-        key = (dtype, autocast)
+        seq = self.seq_of(s)
+        key = (dtype, autocast, seq)
         if key not in self._settings:
-            blocks = self._profiles(dtype, autocast)
+            blocks = self._profiles(dtype, autocast, seq)
             trace = (fast_trace_step if self.fast_trace else trace_step)(
-                self.model, self.plan, batch=self.batch, seq=self.seq, checkpoint=False,
+                self.model, self.plan, batch=self.batch, seq=seq, checkpoint=False,
                 dtype=dtype, autocast=autocast, inputs=self.inputs)
             self._settings[key] = _Setting(blocks, trace)
         return self._settings[key]
 
-    def _profiles(self, dtype: torch.dtype | None, autocast: torch.dtype | None) -> list[BlockProfile]:
+    def _profiles(self, dtype: torch.dtype | None, autocast: torch.dtype | None,
+                  seq: int) -> list[BlockProfile]:
         """`profile_blocks` of every block. With `fast_trace` and a `block_stack`, the
         model cut to 3 blocks is profiled instead: block 0 stands for itself, block 1
         for every middle block, block 2 for the last (the first block's input and the
         last block's output meet other modules; the middle ones are alike), other
         units for themselves. A model whose forward needs all its blocks is profiled
         whole."""
-        kwargs: dict[str, Any] = dict(batch=self.batch, seq=self.seq, dtype=dtype, autocast=autocast,
+        kwargs: dict[str, Any] = dict(batch=self.batch, seq=seq, dtype=dtype, autocast=autocast,
                                       inputs=self.inputs)
         stack = block_stack(self.model, self.plan) if self.fast_trace else None
         if stack is None:
@@ -382,7 +402,8 @@ class BudgetSolver:
         example GPT's causal masks: 512 KiB at block size 256 x 8 blocks, what a counted
         2-rank run measured above the plain planner's figure)."""
         memory = strategy_memory(s, trace, self.facts, self.plan, world=self.network.world,
-                                 precision=self.precision, optimizer=self.optimizer, records=self.records)
+                                 precision=self.precision, optimizer=self.optimizer, records=self.records,
+                                 attention=self.attention)
         if not self.buffers:
             return memory
         return dataclasses.replace(memory, device=memory.device + self.buffers,
@@ -450,14 +471,16 @@ class BudgetSolver:
                     _traced_offload(copy.get_submodule(path))
 
         trace = fast_trace_step if self.fast_trace and _alike(plan, self.model) else trace_step
-        return trace(self.model, plan, batch=self.batch, seq=self.seq, checkpoint=bool(checkpointed),
+        return trace(self.model, plan, batch=self.batch, seq=self.seq_of(s),
+                     checkpoint=bool(checkpointed),
                      dtype=dtype, autocast=autocast, inputs=self.inputs, prepare=prepare)
 
     def _base_step(self, s: Strategy) -> float:
         """The predicted step of ``s`` with no block recomputed or offloaded: compute and
         collectives overlapped (`step_time`), plus its host transfers (`_host_seconds`)."""
         return step_time(s, self.setting(s).trace, self.plan, self.model, self.records, self.network,
-                         precision=self.precision, optimizer=self.optimizer).overlapped + self._host_seconds(s)
+                         precision=self.precision, optimizer=self.optimizer,
+                         attention=self.attention).overlapped + self._host_seconds(s)
 
     def _host_seconds(self, s: Strategy) -> float:
         """Seconds a strategy that keeps states on the host moves them over the host link
@@ -511,7 +534,7 @@ class BudgetSolver:
 
     def _traced(self, s: Strategy, blocks: dict[str, str]) -> StepTrace:
         """`trace_plan` of ``blocks``, once per trace setting and choices."""
-        key = (*_trace_setting(s, self.precision), tuple(blocks.items()))
+        key = (*_trace_setting(s, self.precision), self.seq_of(s), tuple(blocks.items()))
         if key not in self._traces:
             self._traces[key] = self.trace_plan(s, self.plan_for(blocks))
         return self._traces[key]
@@ -560,7 +583,7 @@ class BudgetSolver:
             smallest, key = self.smallest_budget()
             raise BudgetError(
                 f"nothing fits {format_bytes(budget)} per GPU: the smallest budget that would is "
-                f"{format_bytes(smallest)} ({strategy(key).label}, every block at its least memory)"
+                f"{format_bytes(smallest)} ({self._label(key)}, every block at its least memory)"
                 if smallest is not None and key is not None else
                 f"nothing fits {format_bytes(budget)} per GPU with these strategies and choices",
                 smallest, key)
@@ -577,6 +600,9 @@ class BudgetSolver:
         (ties: the earlier strategy in `strategies`, then the answer found first)."""
         fitting = [f for f in self._found.values() if f[4] <= counted]
         return min(fitting, key=lambda f: (f[0], f[1]), default=None)
+
+    def _label(self, key: str) -> str:
+        return next(s.label for s in self.strategies if s.key == key)
 
     def _modelled_memory(self, s: Strategy, blocks: dict[str, str]) -> RankMemory:
         """``s``'s memory with the activations the per-block model gives ``blocks`` at

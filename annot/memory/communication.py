@@ -11,7 +11,9 @@ them into seconds with the link bandwidths of a `Network`.
 
 - all-gather (``S`` is the gathered output): ``(n-1)/n * S``;
 - reduce-scatter (``S`` is the full input): ``(n-1)/n * S``;
-- all-reduce: ``2(n-1)/n * S`` (a reduce-scatter and an all-gather).
+- all-reduce: ``2(n-1)/n * S`` (a reduce-scatter and an all-gather);
+- all-to-all (``S`` is one rank's input, Ulysses' exchange over the cp group):
+  ``(n-1)/n * S`` (it keeps its own block).
 
 **Placement.** Ranks are numbered ``rank = (r * shard + s) * tp + t`` over the layout
 ``replicate x shard x tp`` (tp innermost, on consecutive ranks, so inside a node;
@@ -105,7 +107,7 @@ INTRA_NODE_BW = 150.0
 INTER_NODE_BW = 25.0
 TFLOPS = 150.0
 
-OPS = ("all-gather", "reduce-scatter", "all-reduce")
+OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 DIMS = ("world", "replicate", "shard", "cp", "tp")
 
 
@@ -202,7 +204,8 @@ def strategy_layout(strategy: Strategy, world: int) -> Layout:
 class Collective:
     """One kind of collective in a step: ``op`` over the group along ``dim``
     (``ranks``), moving tensors of ``size`` bytes in all (summed over its calls; the
-    all-gathered output, the reduce-scattered input, the all-reduced tensor)."""
+    all-gathered output, the reduce-scattered input, the all-reduced tensor, one rank's
+    all-to-all input)."""
 
     op: str
     what: str

@@ -314,10 +314,13 @@ def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, pla
             raise MemoryInputError(f"{strategy.label}: context parallelism needs the attention shape")
         gathered = cp_gathered_bytes(attention, batch=trace.batch, seq=trace.seq * layout.cp,
                                      cp=layout.cp, act_bytes=4 if precision == "fp32" else 2,
-                                     checkpoint=trace.checkpoint)
+                                     checkpoint=trace.checkpoint,
+                                     attention=strategy.option("cp_attention", "allgather"))
+        what = ("cp: repeated key/value heads" if strategy.option("cp_attention") == "ulysses"
+                else "cp: other ranks' keys and values")
         memory = dataclasses.replace(
             memory, device=memory.device + gathered, combined=memory.combined + gathered,
-            parts={**memory.parts, "cp: other ranks' keys and values": gathered})
+            parts={**memory.parts, what: gathered})
     if hpz > 1:
         secondary = -(-facts.params // hpz) * _bytes(precision, strategy.engine, optimizer)["param"]
         memory = dataclasses.replace(
@@ -381,7 +384,8 @@ def step_time(strategy: Strategy, trace: StepTrace, plan: Plan, model: nn.Module
         whole = trace.seq * layout.cp
         cp_comm = step_communication(
             cp_collectives(attention, batch=trace.batch, seq=whole, cp=layout.cp,
-                           act_bytes=dtypes.activation, checkpoint=trace.checkpoint),
+                           act_bytes=dtypes.activation, checkpoint=trace.checkpoint,
+                           attention=strategy.option("cp_attention", "allgather")),
             layout, network)
         comm = StepCommunication(comm.collectives + cp_comm.collectives, comm.intra + cp_comm.intra,
                                  comm.inter + cp_comm.inter, comm.seconds + cp_comm.seconds,
@@ -412,6 +416,7 @@ def estimate_memory(
     tflops: float = TFLOPS,
     tp_plan: dict[str, str] | None = None,
     cp: tuple[int, ...] = (),
+    cp_attention: str = "allgather",
     deepspeed_config: dict[str, Any] | str | os.PathLike[str] | None = None,
     ddp_options: dict[str, Any] | None = None,
     gpu: str | None = None,
@@ -443,7 +448,9 @@ def estimate_memory(
     ``cp``: context-parallel sizes to weigh, each a row ``FSDP2 + CP c`` (each sequence
     of ``seq`` tokens split over ``c`` ranks of a node, parameters sharded over every
     rank; `annot.memory.context_parallel`), preferred after the strategies that keep
-    model states on the GPU and before offload. Default none.
+    model states on the GPU and before offload. Default none. ``cp_attention``:
+    ``"allgather"`` (keys and values gathered) or ``"ulysses"`` (all-to-all over heads),
+    as FSDP2's option of that name.
     ``deepspeed_config``: your DeepSpeed config (a dict, or the path of its JSON file).
     Its strategy is one more row, key ``"deepspeed-config"``, modelled from that config
     (ZeRO stage, offload, buckets, prefetch, live and reuse limits, persistence
@@ -477,7 +484,8 @@ def estimate_memory(
     rows, activations, strategies = _rows(
         model, plan, network=network, batch=batch, seq=seq, precision=precision,
         optimizer=optimizer, gpu_mem=gpu_mem, host_mem=host_mem, margin=margin, reserve=reserve,
-        inputs=inputs, styles=styles, cp=tuple(cp), user_ds=user_ds, ddp=ddp, kind=kind)
+        inputs=inputs, styles=styles, cp=tuple(cp), user_ds=user_ds, ddp=ddp, kind=kind,
+        cp_attention=cp_attention)
     key, checkpoint, reason = _recommend(rows, plan.total_params, gpu_mem, bool(activations.per_unit),
                                          cp=tuple(cp))
     if nodes > 1 and key is not None:
@@ -521,6 +529,7 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
           precision: str, optimizer: str, gpu_mem: int, host_mem: int, margin: float,
           reserve: int | None, inputs: InputsFn | None, styles: dict[str, str],
           keys: tuple[str, ...] | None = None, cp: tuple[int, ...] = (),
+          cp_attention: str = "allgather",
           user_ds: UserDeepSpeed | None = None, ddp: Strategy | None = None,
           kind: GpuKind | None = None,
           ) -> tuple[list[StrategyRow], ActivationEstimate, dict[str, Strategy]]:
@@ -532,7 +541,7 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
     records = param_records(model, plan)
     candidates = (*(ddp if ddp is not None and s.key == "ddp" else s for s in STRATEGIES),
                   *layout_strategies(gpus, network.nodes, tp=bool(styles)),
-                  *cp_strategies(cp, gpus, world),
+                  *cp_strategies(cp, gpus, world, cp_attention),
                   *((user_ds.strategy,) if user_ds is not None else ()))
     chosen = [s for s in candidates if keys is None or s.key in keys]
     attention = attention_shape(model) if cp else None

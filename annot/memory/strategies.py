@@ -95,7 +95,8 @@ class Strategy:
             args.append(f'mesh=init_device_mesh("cuda", {sizes!r}, mesh_dim_names={names!r})')
         if checkpoint is not None:
             args.append(f"checkpoint={checkpoint}")
-        if self.engine == "deepspeed":
+        if self.engine == "deepspeed" or dict(self.mesh).get("cp", 1) > 1:
+            # DeepSpeed builds its optimizer; under cp the Trainable splits the sequences
             args.append("optimizer=make_optimizer")
         text = f"annot.auto_wrap(model, {', '.join(args)})"
         if precision == "bf16":

@@ -15,7 +15,8 @@ dimension of more than one rank. Around each call of the model it
    the labels already shifted (``shift_labels``: the loss must not shift inside a
    chunk, which would pair a chunk's last token with the next chunk's first);
 3. runs the forward under `SplitAttention` (each SDPA call attends over the whole
-   sequence), checking on the first call that every attention module calls SDPA;
+   sequence: by an all-gather of keys and values, or Ulysses' all-to-all over heads,
+   `annot.runtime.ulysses_attention`), checking on the first call that every attention module calls SDPA;
 4. replaces the loss the model returns (each rank's mean over its own tokens) by the
    loss over the whole sequence, ``sum_r loss_r x n_r / N`` with ``n_r`` rank ``r``'s
    labelled tokens (labels -100 are not counted) and ``N`` their sum, all-reduced with
@@ -38,11 +39,19 @@ from torch import nn
 
 from annot.runtime.split_attention import (
     AttentionCallCheck,
+    AttentionFunction,
     SplitAttention,
     check_attention_modules,
+    split_attention,
 )
+from annot.runtime.ulysses_attention import refuse_head_counts, ulysses_attention
 
-__all__ = ["IGNORE_INDEX", "ContextParallel", "refuse_unsplittable", "token_places"]
+__all__ = ["ATTENTIONS", "IGNORE_INDEX", "ContextParallel", "refuse_unsplittable", "token_places"]
+
+#: The ways to split attention over the cp group, by the name FSDP2's ``cp_attention``
+#: takes: the all-gather of keys and values (the default) and Ulysses' all-to-all.
+ATTENTIONS: dict[str, AttentionFunction] = {"allgather": split_attention,
+                                            "ulysses": ulysses_attention}
 
 #: Labels with this value are not counted (torch's and transformers' ignore index).
 IGNORE_INDEX = -100
@@ -62,9 +71,13 @@ def token_places(length: int, size: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
-def refuse_unsplittable(model: nn.Module) -> None:
+def refuse_unsplittable(model: nn.Module, cp: int = 1, attention: str = "allgather") -> None:
     """Refuse, before the model changes, a model context parallelism would compute wrong:
-    a forward without ``position_ids``, attention known not to call SDPA."""
+    a forward without ``position_ids``, attention known not to call SDPA, and for
+    ``attention="ulysses"`` over ``cp`` ranks a config's query heads that do not divide
+    (a model without a config is checked at its first call)."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"cp_attention={attention!r}: choose one of {sorted(ATTENTIONS)}")
     if "position_ids" not in inspect.signature(model.forward).parameters:
         raise ValueError(
             f"{type(model).__name__}.forward takes no position_ids: under context "
@@ -72,6 +85,12 @@ def refuse_unsplittable(model: nn.Module) -> None:
             "numbers positions from 0 would give them the wrong ones. Add a position_ids "
             "argument (annot passes each token's place in the sequence)")
     check_attention_modules(model)
+    config = getattr(model, "config", None)
+    for name in ("num_attention_heads", "n_head"):  # transformers', minGPT's
+        heads = getattr(config, name, None)
+        if attention == "ulysses" and isinstance(heads, int):
+            refuse_head_counts(heads, cp, f"{type(model).__name__} (config.{name})")
+            break
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -94,9 +113,10 @@ class _SumOverGroup(torch.autograd.Function):
 class ContextParallel:
     """The sequence split of one context-parallel group (``group``: this rank's ``"cp"``
     mesh dimension) for ``model`` (the bare model, whose forward's parameters name the
-    arguments)."""
+    arguments); ``attention`` names how SDPA is split (`ATTENTIONS`)."""
 
-    def __init__(self, group: dist.ProcessGroup, model: nn.Module) -> None:
+    def __init__(self, group: dist.ProcessGroup, model: nn.Module,
+                 attention: str = "allgather") -> None:
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.model = model
@@ -104,7 +124,8 @@ class ContextParallel:
         self.transformers = hasattr(model, "loss_function")  # a PreTrainedModel with a loss
         self._checked = False
         self._mode: SplitAttention | None = None
-        refuse_unsplittable(model)
+        refuse_unsplittable(model, self.size, attention)
+        self.function = ATTENTIONS[attention]
 
     def attention(self) -> SplitAttention:
         """The attention mode of the last call (for backward's recomputation)."""
@@ -132,7 +153,7 @@ class ContextParallel:
         split = {k: v.index_select(1, places.to(v.device))
                  if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length else v
                  for k, v in named.items()}
-        self._mode = SplitAttention(self.group, places, every)
+        self._mode = SplitAttention(self.group, places, every, self.function)
         check = None if self._checked else AttentionCallCheck(self.model, self._mode)
         try:
             with self._mode:

@@ -39,6 +39,7 @@ calls no SDPA (eager attention: a softmax over local scores would be silently wr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,8 +50,9 @@ from torch.nn import functional as F
 #: The function `SplitAttention` stands in for, as torch defines it.
 _SDPA = F.scaled_dot_product_attention
 
-__all__ = ["AttentionNotSplittableError", "SplitAttention", "check_attention_modules",
-           "gather_sequence", "split_attention"]
+__all__ = ["AttentionFunction", "AttentionNotSplittableError", "SplitAttention", "check_attention_modules",
+           "gather_sequence", "refuse_unsplittable_call",
+           "split_attention"]
 
 
 class AttentionNotSplittableError(ValueError):
@@ -86,6 +88,24 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
+def refuse_unsplittable_call(query: torch.Tensor, key: torch.Tensor,
+                             attn_mask: torch.Tensor | None, tokens: int) -> None:
+    """Refuse an SDPA call no context-parallel attention can split: one given a mask,
+    or whose queries or keys are not this rank's ``tokens`` of the sequence."""
+    if attn_mask is not None:
+        raise AttentionNotSplittableError(
+            "scaled_dot_product_attention got an attn_mask under context parallelism: annot "
+            "builds the causal mask from each token's place and cannot split another mask "
+            "(padding, a custom pattern). Pad with labels -100 instead of masking, and pass "
+            "no attention_mask (or one of all ones)")
+    if key.shape[-2] != query.shape[-2] or query.shape[-2] != tokens:
+        raise AttentionNotSplittableError(
+            f"scaled_dot_product_attention with {query.shape[-2]} queries and {key.shape[-2]} "
+            f"keys on a rank holding {tokens} tokens: under context parallelism "
+            "only self-attention over the split sequence can be split (no cross attention, no "
+            "KV cache: pass use_cache=False)")
+
+
 def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                     is_causal: bool = False, scale: float | None = None,
@@ -96,18 +116,7 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ``query_places``: the place in the whole sequence of each of this rank's tokens;
     ``key_places``: the places of the gathered keys (every rank's, in rank order).
     A causal call masks by place, so the result equals unsplit causal attention."""
-    if attn_mask is not None:
-        raise AttentionNotSplittableError(
-            "scaled_dot_product_attention got an attn_mask under context parallelism: annot "
-            "builds the causal mask from each token's place and cannot split another mask "
-            "(padding, a custom pattern). Pad with labels -100 instead of masking, and pass "
-            "no attention_mask (or one of all ones)")
-    if key.shape[-2] != query.shape[-2] or query.shape[-2] != query_places.numel():
-        raise AttentionNotSplittableError(
-            f"scaled_dot_product_attention with {query.shape[-2]} queries and {key.shape[-2]} "
-            f"keys on a rank holding {query_places.numel()} tokens: under context parallelism "
-            "only self-attention over the split sequence can be split (no cross attention, no "
-            "KV cache: pass use_cache=False)")
+    refuse_unsplittable_call(query, key, attn_mask, query_places.numel())
     keys, values = gather_sequence(key, group), gather_sequence(value, group)
     mask = None
     if is_causal:
@@ -116,22 +125,36 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  enable_gqa=enable_gqa)
 
 
+#: The form of a context-parallel attention function (`split_attention`'s signature).
+AttentionFunction = Callable[..., torch.Tensor]
+
+
 class SplitAttention:
     """A context manager: while active, ``torch.nn.functional.scaled_dot_product_attention``
-    is `split_attention` over ``group`` with these token places (restored on exit, also
-    when nested). ``calls`` counts the calls it replaced."""
+    is ``function`` (`split_attention`, the default, or
+    `annot.runtime.ulysses_attention.ulysses_attention`) over ``group`` with these token
+    places (restored on exit, also when nested). ``calls`` counts the calls it replaced;
+    ``module`` (set by `AttentionCallCheck` on the first forward) is the attention module
+    running, named in a refusal."""
 
     def __init__(self, group: dist.ProcessGroup, query_places: torch.Tensor,
-                 key_places: torch.Tensor) -> None:
+                 key_places: torch.Tensor, function: AttentionFunction = split_attention) -> None:
         self.group, self.query_places, self.key_places = group, query_places, key_places
+        self.function = function
         self.calls = 0
+        self.module: str | None = None
         self._before: list[Any] = []
 
     def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls += 1
-        return split_attention(query, key, value, *args, **kwargs, group=self.group,
-                               query_places=self.query_places, key_places=self.key_places)
+        try:
+            return self.function(query, key, value, *args, **kwargs, group=self.group,
+                                 query_places=self.query_places, key_places=self.key_places)
+        except AttentionNotSplittableError as error:
+            if self.module is None:
+                raise
+            raise AttentionNotSplittableError(f"module {self.module}: {error}") from error
 
     def __enter__(self) -> SplitAttention:
         self._before.append(F.scaled_dot_product_attention)
@@ -171,15 +194,19 @@ class AttentionCallCheck:
         self.model, self.mode = model, mode
         self.handles: list[Any] = []
         for path, module in _attention_modules(model):
-            self.handles.append(module.register_forward_pre_hook(self._before))
+            self.handles.append(module.register_forward_pre_hook(self._before(path)))
             self.handles.append(module.register_forward_hook(self._after(path)))
         self._start = 0
 
-    def _before(self, module: nn.Module, args: Any) -> None:
-        self._start = self.mode.calls
+    def _before(self, path: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._start = self.mode.calls
+            self.mode.module = f"{path} ({type(module).__name__})"
+        return hook
 
     def _after(self, path: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.mode.module = None
             if self.mode.calls == self._start:
                 raise AttentionNotSplittableError(
                     f"module {path} ({type(module).__name__}) computed attention without "
@@ -191,6 +218,7 @@ class AttentionCallCheck:
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
+        self.mode.module = None
         if self.mode.calls == 0:
             raise AttentionNotSplittableError(
                 f"{type(self.model).__name__}'s forward made no scaled_dot_product_attention call: "

@@ -1,7 +1,7 @@
 """Train the example GPT for a few steps on N processes, sharded by annot.
 
     torchrun --nproc_per_node 2 examples/gpt/train.py [--steps 20] [--engine fsdp2|fsdp1|ddp|deepspeed]
-                                                      [--resume DIR --save-every N] [--cp N]
+                                                      [--resume DIR --save-every N] [--cp N [--cp-attention ulysses]]
 
 The model is built under annot.meta_init (no memory) and materialized by auto_wrap.
 Rank 0 prints the Plan, then the loss of every step (averaged over ranks). The data is an
@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--offload", action="store_true", help="FSDP2: parameters on CPU")
     parser.add_argument("--cp", type=int, default=1,
                         help="context parallel: split each sequence over N ranks (fsdp2)")
+    parser.add_argument("--cp-attention", choices=("allgather", "ulysses"), default="allgather",
+                        help="with --cp: gather keys and values, or Ulysses' all-to-all over heads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None,
                         help="cuda or cpu (default: this rank's GPU when there is one, else cpu)")
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> list[float]:
             model, args.engine, checkpoint=args.checkpoint, device=device,
             optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
             **({"offload": True} if args.offload else {}),
-            **({"mesh": annot.ParallelDims(cp=args.cp)} if args.cp > 1 else {}))
+            **({"mesh": annot.ParallelDims(cp=args.cp), "cp_attention": args.cp_attention}
+               if args.cp > 1 else {}))
 
         # Its position (sequences consumed by all ranks) is saved with the training state.
         # The cp ranks of a group (consecutive ranks: cp is inside shard) read the same rows.

@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node W context_parallel_worker.py OUT LAYOUT NAME...
 
-For each NAME (``gpt``, ``llama``): auto_wrap with ``ParallelDims(shard=S, cp=C)``
+For each NAME (``gpt``, ``llama``; ``NAME:ulysses`` with ``cp_attention="ulysses"``, else
+the default all-gather): auto_wrap with ``ParallelDims(shard=S, cp=C)``
 (`tests.engines.context_parallel_cases.LAYOUTS`), train STEPS steps on this group's
 rows (the loop as without cp), record the loss every rank returns and every gradient
 (whole) at every step.
@@ -30,11 +31,12 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
-def train(layout: str, name: str) -> dict:
+def train(layout: str, case: str) -> dict:
+    name, _, attention = case.partition(":")
     sizes = LAYOUTS[layout]
     dims = annot.ParallelDims(shard=sizes["shard"], cp=sizes["cp"])
     trainer = annot.auto_wrap(build(name), "fsdp2", mesh=dims, optimizer=make_optimizer,
-                              checkpoint=True)
+                              checkpoint=True, cp_attention=attention or "allgather")
     group = dist.get_rank() // sizes["cp"]
     losses, grads = [], []
     for batch in batches(name, sizes["shard"]):

@@ -2,7 +2,10 @@
 process on the whole sequences (`tests.engines.context_parallel_cases`), the example's
 ``--cp``, a save with cp 2 resumed with cp 1, and the refusals (no launch).
 
-Default lane: cp 2 on 2 ranks (one launch, about 26 s on the shared 2-core machine).
+Each launch trains each model twice: with the default all-gather attention and with
+Ulysses (``cp_attention="ulysses"``, an all-to-all over heads; the tiny Llama's 2
+key/value heads split as well). Default lane: cp 2 on 2 ranks (one launch, about 26 s on
+the shared 2-core machine).
 Sweep lane (``-m sweep``): shard 2 x cp 2 on 4 ranks (about 40 s) and the example's runs
 (a 2-rank launch and two single processes, about 30 s).
 """
@@ -31,11 +34,13 @@ from tests.engines.context_parallel_cases import (
 from tests.resume.test_example_resume import losses as printed_losses
 
 MODELS = ("gpt", "llama")
+#: The launches' cases: each model with the default attention and with Ulysses.
+CASES = (*MODELS, *(f"{name}:ulysses" for name in MODELS))
 
 
 def _launch(layout: str, tmp_path) -> dict:
     out = tmp_path / "results.pt"
-    torchrun(WORKER, str(out), layout, *MODELS, nproc=LAYOUTS[layout]["world"],
+    torchrun(WORKER, str(out), layout, *CASES, nproc=LAYOUTS[layout]["world"],
              timeout=LAUNCH_TIMEOUT_S)
     return torch.load(out, weights_only=False)
 
@@ -49,9 +54,9 @@ def _far(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def _check_against_one_process(results: dict, name: str, groups: int) -> None:
-    ref_losses, ref_grads = reference(name, groups)
-    got = results[name]
+def _check_against_one_process(results: dict, case: str, groups: int) -> None:
+    ref_losses, ref_grads = reference(case.partition(":")[0], groups)
+    got = results[case]
     for step in range(STEPS):
         ranks = got["losses"][step]
         # each rank returns its group's whole-sequence loss; the groups' mean is the loss
@@ -63,16 +68,16 @@ def _check_against_one_process(results: dict, name: str, groups: int) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MODELS)
-def test_cp2_trains_like_one_process_on_whole_sequences(cp2, name):
-    _check_against_one_process(cp2, name, groups=1)
+@pytest.mark.parametrize("case", CASES)
+def test_cp2_trains_like_one_process_on_whole_sequences(cp2, case):
+    _check_against_one_process(cp2, case, groups=1)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_cp_ranks_return_the_same_loss(cp2):
-    for name in MODELS:
-        assert all(len(set(ranks)) == 1 for ranks in cp2[name]["losses"]), cp2[name]["losses"]
+    for case in CASES:
+        assert all(len(set(ranks)) == 1 for ranks in cp2[case]["losses"]), cp2[case]["losses"]
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +87,9 @@ def shard2xcp2(tmp_path_factory) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.sweep
-@pytest.mark.parametrize("name", MODELS)
-def test_shard2_x_cp2_trains_like_one_process(shard2xcp2, name):
-    _check_against_one_process(shard2xcp2, name, groups=2)
+@pytest.mark.parametrize("case", CASES)
+def test_shard2_x_cp2_trains_like_one_process(shard2xcp2, case):
+    _check_against_one_process(shard2xcp2, case, groups=2)
 
 
 TRAIN = ROOT / "examples" / "gpt" / "train.py"

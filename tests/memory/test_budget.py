@@ -267,3 +267,16 @@ def test_the_torch_engines_offload_the_units_the_plan_asks_and_no_other():
     checkpoint_and_offload_activations(every, plan, [], True)
     every(x, x)[1].backward()
     assert 1 < activation_offloader(alone).packed_tensors < activation_offloader(every).packed_tensors
+
+
+@pytest.mark.sweep  # every strategy traced: the budget chooser's cp is tested in the default
+# lane by tests/memory/test_context_parallel.py; this is the command line's wiring
+def test_budget_on_the_command_line_weighs_the_cp_sizes_given(capsys):
+    code = main(["plan", GPT_TARGET, "--kwargs", json.dumps(TINY), "--memory", "--gpus", "2",
+                 "--batch", "2", "--seq", "32", "--precision", "fp32", "--device", "cpu",
+                 "--margin", "0", "--reserve", "0", "--budget", "64MiB", "--json",
+                 "--cp", "2", "--cp-attention", "ulysses"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    weighed = {s["key"]: s for s in json.loads(out)["strategies"]}
+    assert weighed["fsdp2-cp2"]["label"] == "FSDP2 + CP 2 Ulysses"

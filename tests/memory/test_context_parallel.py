@@ -12,7 +12,12 @@ import torch
 
 from annot.memory import MemoryInputError, estimate_memory
 from annot.memory.communication import Layout, Network, step_communication
-from annot.memory.context_parallel import AttentionShape, attention_shape, cp_collectives
+from annot.memory.context_parallel import (
+    AttentionShape,
+    attention_shape,
+    cp_collectives,
+    cp_gathered_bytes,
+)
 from examples.gpt.model import GPT
 
 GiB = 2**30
@@ -86,7 +91,8 @@ def test_attention_shape_reads_grouped_query_heads():
     model = torch.nn.Module()
     model.config = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                    num_hidden_layers=3)
-    assert attention_shape(model) == AttentionShape(layers=3, query_width=64, kv_width=32)
+    assert attention_shape(model) == AttentionShape(layers=3, query_width=64, kv_width=32,
+                                                    heads=4, kv_heads=2)
 
 
 def test_a_cp_size_that_does_not_divide_a_node_is_refused():
@@ -96,8 +102,7 @@ def test_a_cp_size_that_does_not_divide_a_node_is_refused():
         estimate_memory(model, gpus=4, seq=SEQ, precision="fp32", gpu_mem=GiB, host_mem=GiB, cp=(3,))
 
 
-@pytest.mark.sweep
-def test_llama3_8b_at_131072_tokens_on_8_gpus_fits_only_with_cp8():
+def _llama3_8b() -> torch.nn.Module:
     import transformers
 
     config = transformers.LlamaConfig(
@@ -106,7 +111,12 @@ def test_llama3_8b_at_131072_tokens_on_8_gpus_fits_only_with_cp8():
         rope_theta=500000.0, tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+        return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.sweep
+def test_llama3_8b_at_131072_tokens_on_8_gpus_fits_only_with_cp8():
+    model = _llama3_8b()
     report = estimate_memory(model, gpus=8, seq=131072, batch=1, gpu_mem=80 * GiB,
                              host_mem=1024 * GiB, cp=(8,))
     others = [r for r in report.rows if r.key != "fsdp2-cp8"]
@@ -114,3 +124,74 @@ def test_llama3_8b_at_131072_tokens_on_8_gpus_fits_only_with_cp8():
     assert not any(r.fits or r.fits_checkpointed for r in others)
     assert report.recommendation == "fsdp2-cp8" and report.checkpoint is True
     assert "FSDP2 + CP 8" in report.table()
+
+
+def test_ulysses_traffic_is_an_all_to_all_of_q_k_v_and_output():
+    # 4 heads of width 4 (16), 2 key/value heads (8), cp 2: the key/value heads divide
+    shape = AttentionShape(layers=3, query_width=16, kv_width=8, heads=4, kv_heads=2)
+    found = cp_collectives(shape, batch=1, seq=32, cp=2, act_bytes=2, checkpoint=True,
+                           attention="ulysses")
+    # layers x local tokens x (q + out + k + v widths) x bytes
+    size = 3 * 16 * (16 + 16 + 8 + 8) * 2
+    assert [(c.op, c.dim, c.size) for c in found] == [("all-to-all", "cp", size)] * 3
+    comm = step_communication(found, Layout(shard=1, cp=2), Network(gpus_per_node=2, nodes=1))
+    assert comm.intra == round(3 * size / 2)  # each rank keeps half of its part
+
+
+def test_ulysses_repeats_kv_heads_that_do_not_divide_in_traffic_and_memory():
+    shape = AttentionShape(layers=3, query_width=16, kv_width=4, heads=4, kv_heads=1)
+    found = cp_collectives(shape, batch=1, seq=32, cp=2, act_bytes=2, checkpoint=False,
+                           attention="ulysses")
+    assert found[0].size == 3 * 16 * (4 * 16) * 2  # k and v repeated to the query width
+    # SDPA keeps the repeated copies: (16 - 4) wide, k and v, 16 local tokens, 3 layers
+    assert cp_gathered_bytes(shape, batch=1, seq=32, cp=2, act_bytes=2, checkpoint=False,
+                             attention="ulysses") == 3 * 2 * 16 * 12 * 2
+    divides = AttentionShape(layers=3, query_width=16, kv_width=8, heads=4, kv_heads=2)
+    assert cp_gathered_bytes(divides, batch=1, seq=32, cp=2, act_bytes=2, checkpoint=False,
+                             attention="ulysses") == 0
+
+
+def test_a_ulysses_row_holds_no_gathered_keys_and_passes_its_option():
+    from annot.memory.report import _rows
+    from annot.policies import make_plan
+
+    with torch.device("meta"):
+        model = GPT(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=SEQ)
+    rows, _, _ = _rows(
+        model, make_plan(model), network=Network(gpus_per_node=2, nodes=1), batch=2, seq=SEQ,
+        precision="fp32", optimizer="adamw", gpu_mem=GiB, host_mem=GiB, margin=0.1, reserve=0,
+        inputs=None, styles={}, keys=("fsdp2-cp2",), cp=(2,), cp_attention="ulysses")
+    (row,) = rows
+    assert row.label == "FSDP2 + CP 2 Ulysses" and "cp_attention='ulysses'" in row.call
+    assert row.detail.parts["cp: repeated key/value heads"] == 0
+    assert row.time is not None
+    assert {c.op for c in row.time.comm.collectives if c.dim == "cp"} == {"all-to-all"}
+
+
+def test_the_budget_chooser_weighs_cp_layouts_at_a_rank_s_part_of_the_sequence():
+    from annot.memory.budget import budget_solver
+
+    with torch.device("meta"):
+        model = GPT(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=SEQ)
+    solver = budget_solver(model, gpus=2, batch=2, seq=SEQ, precision="fp32", device="cpu",
+                           strategies=("fsdp2",), cp=(2,), reserve=0)
+    assert [s.key for s in solver.strategies] == ["fsdp2", "fsdp2-cp2"]
+    fsdp2, cp2 = solver.strategies
+    assert solver.seq_of(cp2) == SEQ // 2 and solver.setting(cp2).trace.seq == SEQ // 2
+    # each rank keeps half the tokens' activations, plus half the keys and values
+    plain = solver.setting(fsdp2).trace.peak
+    assert solver.setting(cp2).trace.peak < plain
+    answer = solver.fit(GiB)
+    assert {f.key for f in answer.strategies} == {"fsdp2", "fsdp2-cp2"}
+    assert "cp: other ranks' keys and values" in answer.strategies[1].parts
+
+
+@pytest.mark.sweep
+def test_llama3_8b_at_131072_tokens_on_8_gpus_has_a_budget_answer_only_with_cp():
+    from annot.memory.budget import BudgetError, fit_budget
+
+    model = _llama3_8b()
+    with pytest.raises(BudgetError, match="nothing fits 80.00 GiB"):
+        fit_budget(model, 80 * GiB, gpus=8, batch=1, seq=131072)
+    answer = fit_budget(model, 80 * GiB, gpus=8, batch=1, seq=131072, cp=(2, 4, 8))
+    assert answer.strategy.startswith("fsdp2-cp") and answer.peak_bytes <= 80 * GiB
