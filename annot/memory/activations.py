@@ -152,7 +152,7 @@ def trace_activations(
         handles.append(modules[path].register_forward_pre_hook(enter(path), with_kwargs=True))
         handles.append(modules[path].register_forward_hook(leave))
     try:
-        with fake_mode, _traceable_experts(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fake_mode, _traceable(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             torch.func.functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
     finally:
         for handle in handles:
@@ -303,7 +303,7 @@ def trace_step(
     model.train()
     flop_counter = FlopCount()
     try:
-        with fake_mode, counter, flop_counter, _traceable_experts():
+        with fake_mode, counter, flop_counter, _traceable():
             args, kwargs = (inputs or default_inputs)(model, batch, seq)
             # A training step keeps no key/value cache, checkpointed or not (pitfall 14).
             kwargs = training_forward_kwargs(model, args, kwargs)
@@ -376,6 +376,37 @@ def _gpu_rules(dtype: torch.dtype | None) -> Any:
     from annot.memory.gpu_autocast import CudaAutocast
 
     return CudaAutocast(dtype)
+
+
+@contextlib.contextmanager
+def _traceable() -> Iterator[None]:
+    """What a trace of a model's step needs besides fake tensors: `_torch_linear` and
+    `_traceable_experts`."""
+    with _torch_linear(), _traceable_experts():
+        yield
+
+
+@contextlib.contextmanager
+def _torch_linear() -> Iterator[None]:
+    """Trace with torch's own ``F.linear``. ``deepspeed.zero.Init`` (annot's ZeRO-3
+    materialization calls it per unit) replaces ``torch.nn.functional.linear`` for the
+    rest of the process with its memory-efficient autograd Function, whose forward does
+    not compose with the CUDA autocast rules of the trace (`annot.memory.gpu_autocast`:
+    the linear's matmul failed on a transposed weight's shape). A plan made in the same
+    process after a ZeRO-3 run raised where a fresh process succeeds; the trace models
+    a step as torch runs it, so it puts torch's function back for its duration."""
+    import torch.nn.functional as F  # noqa: N812 (torch's own spelling)
+
+    original = torch._C._nn.linear
+    current = F.linear
+    if current is original or not getattr(current, "__module__", "").startswith("deepspeed"):
+        yield
+        return
+    F.linear = original
+    try:
+        yield
+    finally:
+        F.linear = current
 
 
 @contextlib.contextmanager

@@ -45,7 +45,7 @@ from annot.huggingface.model import training_forward_kwargs
 from annot.memory.activations import (
     InputsFn,
     _loss_of,
-    _traceable_experts,
+    _traceable,
     default_inputs,
     fake_copy,
 )
@@ -220,7 +220,7 @@ def profile_blocks(model: nn.Module, paths: list[str], *, batch: int, seq: int,
         handles.append(copy.get_submodule(path).register_forward_hook(leave))
     copy.train()
     try:
-        with fake_mode, recorder, _traceable_experts(), \
+        with fake_mode, recorder, _traceable(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             args, kwargs = (inputs or default_inputs)(copy, batch, seq)
             kwargs = training_forward_kwargs(copy, args, kwargs)

@@ -47,3 +47,23 @@ def test_the_gpu_rules_save_softmax_and_exp_in_fp32():
     # in 4 bytes instead of 2, and the summed scalar too.
     saved_cpu, saved_gpu = cpu.segments[0][3], gpu.segments[0][3]
     assert saved_gpu - saved_cpu == 2 * (2 * 8 * 64) * 2 + 2
+
+
+def test_a_trace_after_deepspeeds_linear_patch_counts_as_with_torchs(monkeypatch):
+    # deepspeed.zero.Init (annot's ZeRO-3 materialization) replaces F.linear for the rest
+    # of the process; a plan made afterwards failed under the GPU rules.
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    with torch.device("meta"):
+        model = _Scores()
+
+    def inputs(model, batch, seq):
+        return (torch.zeros(batch, seq, 64),), {}
+
+    common = dict(batch=2, seq=8, checkpoint=False, autocast=torch.bfloat16, inputs=inputs,
+                  gpu_rules=True)
+    plain = trace_step(model, None, **common)
+    monkeypatch.setattr(F, "linear", zero3_linear_wrap)
+    patched = trace_step(model, None, **common)
+    assert F.linear is zero3_linear_wrap  # put back after the trace
+    assert (patched.peak, patched.segments) == (plain.peak, plain.segments)
