@@ -196,24 +196,34 @@ def fp16_finite(ctx: Context) -> Row:
                        first_loss=losses[0], last_loss=losses[-1], nonfinite_grads=bad_grads)
 
 
-def deepspeed_zero3(ctx: Context) -> Row:
-    """DeepSpeed ZeRO-3 through ``auto_wrap`` on one GPU against the plain model: losses
-    within 1e-5 (fp32; DeepSpeed's flat buffers sum in another order)."""
-    name = "deepspeed_zero3"
+def _deepspeed_against_plain(ctx: Context, name: str,
+                             **options: Any) -> tuple[Any, float] | Row:
+    """Train the plain model and a DeepSpeed copy (``auto_wrap`` with ``options``) on the
+    same batches: the wrapped model and the largest loss difference, or the skipped row
+    where the context cannot run DeepSpeed on a GPU."""
     if not ctx.cuda:
         return skipped(name, "needs --device cuda")
     if ctx.missing("deepspeed"):
         return skipped(name, "needs deepspeed (pip install 'annot-train[deepspeed]')")
-    bound = 1e-5
     shape = Shape()
     data = batches(shape, STEPS, BATCH, ctx.device)
     plain = _built(ctx, shape).to(ctx.device)
-    zero = copy.deepcopy(plain)
+    copied = copy.deepcopy(plain)
     reference = train_plain(plain, data)
-    trainable = auto_wrap(zero, "deepspeed", stage=3, checkpoint=False, optimizer=_adamw,
-                          device=ctx.device)
+    trainable = auto_wrap(copied, "deepspeed", checkpoint=False, optimizer=_adamw,
+                          device=ctx.device, **options)
     losses = train_trainable(trainable, data)
-    loss_diff = max(abs(a - b) for a, b in zip(reference, losses, strict=True))
+    return trainable, max(abs(a - b) for a, b in zip(reference, losses, strict=True))
+
+
+def deepspeed_zero3(ctx: Context) -> Row:
+    """DeepSpeed ZeRO-3 through ``auto_wrap`` on one GPU against the plain model: losses
+    within 1e-5 (fp32; DeepSpeed's flat buffers sum in another order)."""
+    name, bound = "deepspeed_zero3", 1e-5
+    ran = _deepspeed_against_plain(ctx, name, stage=3)
+    if isinstance(ran, dict):  # the skipped row
+        return ran
+    _, loss_diff = ran
     return fail_unless(name, loss_diff <= bound, f"{STEPS} AdamW steps, world 1; bound {bound:g}",
                        max_loss_diff=loss_diff)
 
@@ -222,22 +232,12 @@ def zero_offload_cpu_adam(ctx: Context) -> Row:
     """DeepSpeed ZeRO-2 with the optimizer state on the host (``offload="cpu"``) on one
     GPU: the factory's torch AdamW steps as DeepSpeed's CPU Adam (built on first use),
     and the losses stay within 1e-5 of the plain model's (fp32)."""
-    name = "zero_offload_cpu_adam"
-    if not ctx.cuda:
-        return skipped(name, "needs --device cuda")
-    if ctx.missing("deepspeed"):
-        return skipped(name, "needs deepspeed (pip install 'annot-train[deepspeed]')")
-    bound = 1e-5
-    shape = Shape()
-    data = batches(shape, STEPS, BATCH, ctx.device)
-    plain = _built(ctx, shape).to(ctx.device)
-    zero = copy.deepcopy(plain)
-    reference = train_plain(plain, data)
-    trainable = auto_wrap(zero, "deepspeed", stage=2, offload="cpu", checkpoint=False,
-                          optimizer=_adamw, device=ctx.device)
+    name, bound = "zero_offload_cpu_adam", 1e-5
+    ran = _deepspeed_against_plain(ctx, name, stage=2, offload="cpu")
+    if isinstance(ran, dict):  # the skipped row
+        return ran
+    trainable, loss_diff = ran
     host_optimizer = type(trainable.module.optimizer.optimizer).__name__  # ZeRO wraps it
-    losses = train_trainable(trainable, data)
-    loss_diff = max(abs(a - b) for a, b in zip(reference, losses, strict=True))
     return fail_unless(name, host_optimizer == "DeepSpeedCPUAdam" and loss_diff <= bound,
                        f"the host step is DeepSpeedCPUAdam; {STEPS} steps, bound {bound:g}",
                        host_optimizer=host_optimizer, max_loss_diff=loss_diff)
