@@ -13,6 +13,8 @@ from examples.bench_memory import SIMULATED, simulate_fsdp2
 HALF = {**SIMULATED, "shape": {**SIMULATED["shape"], "n_layer": 12}}
 
 
+# About 25 s each: in the sweep lane, beside the budget chooser's world-8 check.
+@pytest.mark.sweep
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_fsdp2_at_world_size_8_matches_fsdpmemtracker(checkpoint):
