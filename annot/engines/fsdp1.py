@@ -220,7 +220,10 @@ def shard_layout(model: nn.Module) -> ShardLayout:
         for param, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes, strict=True):
             start, end = info.intra_param_start_idx, info.intra_param_end_idx  # None: not in_shard
             span = (start, end + 1) if start is not None and end is not None else (0, 0)
-            parts[id(param)] = [FlatPart(param, *span, tuple(shape))]
+            # Sharded, the parameter is already 1-D; at world size 1 FSDP1 keeps NO_SHARD
+            # and each parameter has its own shape: either way, 1-D over the same memory
+            # (docs/design.md, pitfall 49).
+            parts[id(param)] = [FlatPart(param.detach().view(-1), *span, tuple(shape))]
             owners[id(param)] = fsdp_module
     if not parts and not isinstance(model, FullyShardedDataParallel):
         return ShardLayout()

@@ -171,6 +171,14 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
         step["parameters kept for reuse"] = across_step * b["compute"]
         return _peak(static, run, step)
 
+    if strategy.engine == "fsdp1" and n == 1 and not strategy.offload_params:
+        # At world size 1 FSDP1 switches to NO_SHARD (docs/design.md, pitfall 49):
+        # parameters used in place (nothing gathered), gradients made in backward and
+        # kept to the step, as DDP without buckets (equal to the CPU count).
+        static = {"params": P * b["param"], "optimizer": P * states}
+        step = {"gradients": P * b["grad"], "optimizer step temporaries": P * temp}
+        return _peak(static, [("forward/backward", {"activations": trace.peak_with_grads})], step)
+
     # FSDP2 / FSDP1: sharded parameters, gradients and optimizer states (on the host with
     # offload); the root's parameters stay gathered from forward to backward (neither
     # reshards the root); while a unit runs its parameters are gathered, in backward the

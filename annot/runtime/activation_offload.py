@@ -71,6 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_leaves
 
 from annot.module_state import module_state, peek_state
 from annot.policies import Action, Plan
@@ -127,18 +128,35 @@ def _offloadable(tensor: torch.Tensor) -> bool:
     return (
         type(tensor) is torch.Tensor  # not a Parameter, DTensor or other subclass
         and tensor.layout == torch.strided
+        # Empty: nothing to free (torch 2.11's checkpoint saves an empty stand-in beside
+        # the unit's inputs, which the first run on 2.11 counted as offloaded).
+        and tensor.numel() > 0
         and not parameter_derived(tensor)
     )
+
+
+def _first_tensor_device(args: Any) -> torch.device | None:
+    return next((a.device for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+
+
+def _already_on_host(tensor: torch.Tensor, group: _Group) -> bool:
+    """A CPU tensor saved by a call that computes on an accelerator (the random seed
+    and offset CUDA's attention kernels save for backward): it is on the host already,
+    and a copy would gain nothing. On a CPU run every tensor is offloaded, so that the
+    CPU tests exercise the same path."""
+    return tensor.device.type == "cpu" and group.device is not None and group.device.type != "cpu"
 
 
 class _Group:
     """The tensors one call of an offloaded unit saved, and the group of the unit called
     before it (weakly: autograd frees each group's tensors with its part of the graph)."""
 
-    __slots__ = ("__weakref__", "copies", "fetched", "previous")
+    __slots__ = ("__weakref__", "copies", "device", "fetched", "previous")
 
-    def __init__(self, previous: _Group | None) -> None:
+    def __init__(self, previous: _Group | None, device: torch.device | None) -> None:
         self.copies: list[weakref.ref[_HostCopy]] = []
+        # Where the call computes (its first tensor input's device; None: no tensor input).
+        self.device = device
         self.fetched = False
         self.previous = weakref.ref(previous) if previous is not None else None
 
@@ -199,7 +217,7 @@ class ActivationOffloader:
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | _HostCopy:
         # The innermost call that pushed hooks: ours are on top whenever this runs.
         group = next((g for _, _, g in reversed(self._calls) if g is not None), None)
-        if group is None or not _offloadable(tensor):
+        if group is None or not _offloadable(tensor) or _already_on_host(tensor, group):
             return tensor
         pool = self._pool(pin=tensor.device.type == "cuda")
         buffer = pool.take(tensor.nbytes)
@@ -261,7 +279,7 @@ class ActivationOffloader:
         hooks, group = None, None
         if torch.is_grad_enabled() and not under_outer_checkpoint():
             previous = self._last_group() if self._last_group is not None else None
-            group = _Group(previous)
+            group = _Group(previous, _first_tensor_device(_args))
             self._last_group = weakref.ref(group)
             hooks = saved_tensors_hooks(self.pack, self.unpack)
             hooks.__enter__()

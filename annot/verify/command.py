@@ -18,13 +18,14 @@ from annot.verify.context import Context, cuda_found
 from annot.verify.memory import MEMORY_ROWS
 from annot.verify.result import Row, run_guarded, skipped, table
 from annot.verify.speed import SPEED_ROWS
-from annot.verify.training import TRAINING_ROWS
+from annot.verify.training import DEEPSPEED_ROWS, TRAINING_ROWS
 
 __all__ = ["EXIT_FAILED", "EXIT_NO_CUDA", "EXIT_OK", "EXIT_USAGE", "ROWS", "main", "run_rows"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_CUDA = 0, 1, 2, 3
 #: Every row, in the order they run: (name, function, needs a CUDA device).
-ROWS: list[tuple[str, Callable[[Context], Row], bool]] = [*TRAINING_ROWS, *SPEED_ROWS, *MEMORY_ROWS]
+ROWS: list[tuple[str, Callable[[Context], Row], bool]] = [*TRAINING_ROWS, *SPEED_ROWS, *MEMORY_ROWS,
+                                                       *DEEPSPEED_ROWS]
 
 
 def run_rows(device: str, only: Sequence[str] = (), show: Callable[[str], None] | None = None) -> list[Row]:

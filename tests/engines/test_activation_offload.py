@@ -134,6 +134,24 @@ def test_offload_nested_in_a_checkpointed_unit_leaves_the_recomputation_alone():
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
 
+class _ScaledByHostScalar(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # mul saves the 0-dim CPU tensor for x's gradient, as CUDA's attention kernels
+        # save their CPU seed and offset.
+        return x * torch.tensor(2.0)
+
+
+def test_a_host_tensor_saved_by_a_call_on_another_device_stays_where_it_is():
+    """The meta device stands in for a GPU: the first GPU run packed SDPA's CPU seed into
+    a pageable buffer. A CPU tensor is offloaded only when the call computes on the CPU."""
+    module = _ScaledByHostScalar()
+    offloader = offload_activations(module)
+    module(torch.ones(3, device="meta", requires_grad=True)).sum().backward()
+    assert offloader.packed_tensors == 0
+    module(torch.ones(3, requires_grad=True)).sum().backward()
+    assert offloader.packed_tensors == 1
+
+
 def test_nothing_is_offloaded_without_autograd():
     model, offloader = offloaded_gpt()
     with torch.no_grad():
@@ -199,7 +217,9 @@ def test_on_cuda_activations_wait_in_pinned_host_memory_and_numbers_hold():
     _, loss = model(idx, idx)
     _, loss_bare = bare(idx, idx)
     copies = [h for h in held if not isinstance(h, torch.Tensor)]
-    assert copies and all(c.tensor.is_pinned() and c.device.type == "cuda" for c in copies)
+    assert copies
+    assert [c.device.type for c in copies] == ["cuda"] * len(copies)
+    assert all(c.tensor.is_pinned() for c in copies)
     loss.backward()
     loss_bare.backward()
     for (name, p), q in zip(model.named_parameters(), bare.parameters(), strict=True):
