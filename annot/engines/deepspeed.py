@@ -46,6 +46,7 @@ from annot.engines.base import (
     resolve_dtype,
     trained_parameters,
 )
+from annot.engines.checks import require_process_group
 from annot.engines.deepspeed_config import deepspeed_config
 from annot.engines.deepspeed_cpu_adam import host_optimizer_factory
 from annot.engines.deepspeed_partitions import (
@@ -54,12 +55,14 @@ from annot.engines.deepspeed_partitions import (
     shard_layout,
 )
 from annot.engines.dtypes import refuse_deepspeed_dtypes
-from annot.engines.mesh import refuse_plan_dims
+from annot.engines.mesh import build_mesh, context_parallel_mesh, refuse_plan_dims
 from annot.meta.layout import ShardLayout
 from annot.meta.unit_allocation import UnitAllocator
 from annot.policies import Action, Plan, Rule
 from annot.policies.model_index import ModelIndex
+from annot.policies.parallel import ParallelDims
 from annot.runtime.activation_checkpoint import apply_checkpointing
+from annot.runtime.context_parallel import ATTENTIONS, ContextParallel, refuse_unsplittable
 
 __all__ = [
     "DeepSpeed",
@@ -188,6 +191,14 @@ class DeepSpeedOptions:
         hpz_partition_size, quantized_weights, quantized_gradients: ZeRO++ for stage 3
             (`annot.deepspeed_config`): hierarchical partitioning over groups of N
             consecutive ranks (a node), quantized weight / gradient collectives (GPU only).
+        mesh: `annot.ParallelDims` with ``cp`` (context parallelism: each sequence split
+            over groups of ``cp`` consecutive ranks, `annot.runtime.context_parallel`);
+            ZeRO still partitions over every rank, and a device mesh or other dimensions
+            are refused (DeepSpeed takes none).
+        cp_attention: how attention is split over the cp ranks: ``"allgather"`` (annot's
+            all-gather of keys and values, the default) or ``"ulysses"`` (all-to-all over
+            heads through DeepSpeed's ``DistributedAttention``,
+            `annot.engines.deepspeed_ulysses`).
     """
 
     stage: int | None = None
@@ -201,8 +212,18 @@ class DeepSpeedOptions:
     hpz_partition_size: int = 1
     quantized_weights: bool = False
     quantized_gradients: bool = False
+    mesh: ParallelDims | None = None
+    cp_attention: str = "allgather"
 
     def __post_init__(self) -> None:
+        if self.mesh is not None and not isinstance(self.mesh, ParallelDims):
+            raise TypeError(
+                f"engine 'deepspeed' takes mesh=annot.ParallelDims(cp=N) (context parallelism), "
+                f"not a {type(self.mesh).__name__}: ZeRO partitions over every rank; for "
+                "partitions within a node pass hpz_partition_size=N (ZeRO++ hpZ)")
+        if self.cp_attention not in ATTENTIONS:
+            raise ValueError(f"deepspeed: cp_attention={self.cp_attention!r}: choose one of "
+                             f"{sorted(ATTENTIONS)}")
         object.__setattr__(self, "offload", {True: "cpu", False: "none"}.get(self.offload, self.offload))  # type: ignore[arg-type]
         dtype = resolve_dtype(self.mixed_precision)
         if dtype not in _DEEPSPEED_PRECISION:
@@ -240,6 +261,8 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
     def __init__(self) -> None:
         self.config: dict[str, Any] = {}
         self.cpu_adam: bool | None = None
+        #: The context-parallel group's ranks (``None``: no context parallelism).
+        self.cp_mesh: Any = None
 
     # Until 0.2.0 auto_wrap took reshard_after_forward for every engine; for DeepSpeed it
     # chose the stage (True: 3, the default then; False: 2) when config= was not given.
@@ -248,9 +271,6 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
     hints = {
         "offload_activations": "use DeepSpeed's own annot.deepspeed_config(..., "
                                "cpu_checkpointing=True) as config=",
-        "mesh": "DeepSpeed partitions over the default process group; its hierarchical "
-                "partitioning (ZeRO++ hpZ: parameters gathered within groups of N ranks, a "
-                "node) is hpz_partition_size=N",
     }
 
     def check(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions) -> None:
@@ -259,9 +279,17 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         # DeepSpeed's checkpoint is reentrant (no selective contexts); its activation
         # offload is its own cpu_checkpointing.
         refuse_plan_activation_choices(plan, self.name, selective=False, offload=False)
-        refuse_plan_dims(plan.parallel, self.name,
+        dims = _parallel_dims(options.mesh, plan.parallel)
+        refuse_plan_dims(dims, self.name,
                          "ZeRO partitions over every rank; for partitions within a node pass "
-                         "hpz_partition_size=N (ZeRO++ hpZ), or use engine='fsdp2' or 'fsdp1'")
+                         "hpz_partition_size=N (ZeRO++ hpZ), or use engine='fsdp2' or 'fsdp1'",
+                         context_parallel=True)
+        if dims is not None and dims.cp != 1:
+            require_process_group(self.name)
+            # (shard, cp): cp innermost, so a cp group is consecutive ranks, as FSDP2's.
+            self.cp_mesh = context_parallel_mesh(build_mesh(dims, request.device.type))
+            if self.cp_mesh is not None:
+                refuse_unsplittable(model, self.cp_mesh.size(), options.cp_attention)
         self.config = options.config if options.config is not None else deepspeed_config(
             plan, stage=3 if options.stage is None else options.stage,
             # casts: __post_init__ made offload a str (or None), mixed_precision a dtype (or None)
@@ -353,14 +381,22 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
             args=args, model=wrapped, optimizer=optimizer,
             model_parameters=trained_parameters(wrapped), config=self.config)
         # DeepSpeed's engine leaves inputs where they are: the Trainable moves them.
-        return DeepSpeedTrainable(engine, model, ds_optimizer, self.name, device=device)
+        trainable = DeepSpeedTrainable(engine, model, ds_optimizer, self.name, device=device)
+        if self.cp_mesh is not None:
+            from annot.engines.deepspeed_ulysses import deepspeed_ulysses_attention
+
+            ulysses = deepspeed_ulysses_attention if options.cp_attention == "ulysses" else None
+            trainable.context_parallel = ContextParallel(
+                self.cp_mesh.get_group(), model, options.cp_attention, function=ulysses)
+        return trainable
 
 
 class DeepSpeedTrainable(Trainable):
     """The ``DeepSpeedEngine`` behind the shared surface: its ``backward`` (loss scaling,
     gradient accumulation) and ``step``, which also clears the gradients."""
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor) -> None:
+        # Trainable.backward around it: the attention split again for recomputation.
         self.module.backward(loss)  # type: ignore[operator]
 
     def step(self) -> None:
@@ -497,3 +533,12 @@ def _hpz_group(config: dict[str, Any]) -> Any:
             f"hpz_partition_size={size}, but DeepSpeed already made its hpZ groups of "
             f"{existing} ranks in this process (it keeps one): use {existing}")
     return group
+
+
+def _parallel_dims(mesh: ParallelDims | None, plan_dims: ParallelDims | None) -> ParallelDims | None:
+    """The parallel dims of a DeepSpeed run: ``mesh=`` or the Plan's, which must agree
+    when both are given."""
+    if mesh is not None and plan_dims is not None and mesh != plan_dims:
+        raise ValueError(f"mesh={mesh} differs from the Plan's parallel dims {plan_dims}: "
+                         "give them in one place")
+    return mesh if mesh is not None else plan_dims

@@ -77,21 +77,24 @@ def refuse_expert_parallel(dims: ParallelDims | None, engine: str) -> None:
             "parameter (the Plan's 'moe:' lines list them)")
 
 
-def refuse_plan_dims(plan_dims: ParallelDims | None, engine: str, instead: str) -> None:
+def refuse_plan_dims(plan_dims: ParallelDims | None, engine: str, instead: str,
+                     *, context_parallel: bool = False) -> None:
     """An engine without meshes (DDP, DeepSpeed) cannot honour a Plan whose parallel
     dims ask for replicas or tensor parallelism: refused rather than ignored (expert
-    parallelism first, with its own reason: `refuse_expert_parallel`)."""
+    parallelism first, with its own reason: `refuse_expert_parallel`). Context
+    parallelism is refused too unless the engine has it (``context_parallel``: DeepSpeed)."""
     refuse_expert_parallel(plan_dims, engine)
-    refuse_context_parallel(plan_dims, engine)
+    if not context_parallel:
+        refuse_context_parallel(plan_dims, engine)
     if plan_dims is not None and (plan_dims.replicate != 1 or plan_dims.tp != 1):
         raise ValueError(f"the Plan's parallel dims {plan_dims} need a device mesh, which engine "
                          f"{engine!r} does not take: {instead}, or plan without parallel=")
 
 
 def refuse_context_parallel(dims: MeshLike | None, engine: str) -> None:
-    """Context parallelism is FSDP2's (its `Trainable` splits the sequences): any other
-    engine refuses dims or a mesh with ``cp`` above 1, rather than train each rank on a
-    part of the sequence as if it were the whole."""
+    """Context parallelism is FSDP2's and DeepSpeed's (their `Trainable` splits the
+    sequences): any other engine refuses dims or a mesh with ``cp`` above 1, rather than
+    train each rank on a part of the sequence as if it were the whole."""
     cp = 1
     if isinstance(dims, ParallelDims):
         cp = dims.cp
@@ -99,7 +102,7 @@ def refuse_context_parallel(dims: MeshLike | None, engine: str) -> None:
         cp = found.size()
     if cp != 1:
         raise ValueError(f"engine {engine!r} has no context parallelism (cp={cp}): use "
-                         "engine='fsdp2', or parallel dims with cp=1")
+                         "engine='fsdp2' or 'deepspeed', or parallel dims with cp=1")
 
 
 def context_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:

@@ -1,7 +1,7 @@
 """Context parallelism at run time: a batch's sequences split over the ranks of a group.
 
-`ContextParallel` is what FSDP2's `Trainable` holds when the mesh has a ``"cp"``
-dimension of more than one rank. Around each call of the model it
+`ContextParallel` is what the `Trainable` of FSDP2 or DeepSpeed holds when the parallel
+dims have a ``"cp"`` dimension of more than one rank. Around each call of the model it
 
 1. splits every sequence tensor the call is given (dim 1 of the first tensor's length
    ``T``: inputs, labels, position ids, an all-ones attention mask) into ``2 x cp``
@@ -113,10 +113,11 @@ class _SumOverGroup(torch.autograd.Function):
 class ContextParallel:
     """The sequence split of one context-parallel group (``group``: this rank's ``"cp"``
     mesh dimension) for ``model`` (the bare model, whose forward's parameters name the
-    arguments); ``attention`` names how SDPA is split (`ATTENTIONS`)."""
+    arguments); ``attention`` names how SDPA is split (`ATTENTIONS`), ``function``
+    replaces that name's implementation (same signature)."""
 
     def __init__(self, group: dist.ProcessGroup, model: nn.Module,
-                 attention: str = "allgather") -> None:
+                 attention: str = "allgather", function: AttentionFunction | None = None) -> None:
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.model = model
@@ -125,7 +126,8 @@ class ContextParallel:
         self._checked = False
         self._mode: SplitAttention | None = None
         refuse_unsplittable(model, self.size, attention)
-        self.function = ATTENTIONS[attention]
+        # An engine may bring its own implementation of the named way (DeepSpeed's Ulysses).
+        self.function = function if function is not None else ATTENTIONS[attention]
 
     def attention(self) -> SplitAttention:
         """The attention mode of the last call (for backward's recomputation)."""

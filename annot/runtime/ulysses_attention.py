@@ -39,7 +39,8 @@ from annot.runtime.split_attention import AttentionNotSplittableError, refuse_un
 #: (bound at import, before any `SplitAttention` replaces the attribute).
 _SDPA = F.scaled_dot_product_attention
 
-__all__ = ["heads_to_sequence", "refuse_head_counts", "sequence_to_heads", "ulysses_attention"]
+__all__ = ["heads_to_sequence", "refuse_head_counts", "sequence_to_heads", "ulysses_attention",
+           "whole_sequence_sdpa"]
 
 
 def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -125,9 +126,19 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     # A head group of the queries pairs with the same group of the kv heads: rank r gets
     # query heads [r*H/cp, (r+1)*H/cp) and kv heads [r*Hkv/cp, ...), the ones they use.
     q, k, v = (heads_to_sequence(t, group) for t in (query, key, value))
-    order = torch.argsort(key_places).to(query.device)  # rank order -> true order
+    out = whole_sequence_sdpa(q, k, v, key_places, dropout_p=dropout_p, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa)
+    return sequence_to_heads(out, group)
+
+
+def whole_sequence_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_places: torch.Tensor,
+                        *, dropout_p: float, is_causal: bool, scale: float | None,
+                        enable_gqa: bool) -> torch.Tensor:
+    """SDPA over the whole sequence of some heads, ``(B, h, S, D)`` with the ranks' parts
+    one after the other (``key_places``: their places, in that order): put into true
+    order, so causal SDPA is exact, and the result back into rank order."""
+    order = torch.argsort(key_places).to(q.device)  # rank order -> true order
     q, k, v = (t.index_select(-2, order) for t in (q, k, v))
     out = _SDPA(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa or k.shape[1] != q.shape[1])
-    out = out.index_select(-2, key_places.to(query.device))  # true order -> rank order
-    return sequence_to_heads(out, group)
+    return out.index_select(-2, key_places.to(q.device))  # true order -> rank order

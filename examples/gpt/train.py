@@ -14,7 +14,7 @@ as `annot.init_distributed` picks, or as ``--device cuda|cpu`` says (more ranks 
 GPUs: CPU unless ``--device cuda``, then the ranks share GPUs over gloo); run without
 torchrun it trains in one process.
 
-With ``--cp N`` (FSDP2) each sequence is split over N ranks (context parallelism,
+With ``--cp N`` (FSDP2 or DeepSpeed) each sequence is split over N ranks (context parallelism,
 ``annot.ParallelDims(cp=N)``): the N ranks of a group read the same sequences, each
 computes on its part, and the loss is the whole sequences'; ``--nproc_per_node N --cp N``
 prints the losses of one process.
@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="checkpoint every block / none (default: as the Plan says)")
     parser.add_argument("--offload", action="store_true", help="FSDP2: parameters on CPU")
     parser.add_argument("--cp", type=int, default=1,
-                        help="context parallel: split each sequence over N ranks (fsdp2)")
+                        help="context parallel: split each sequence over N ranks (fsdp2, deepspeed)")
     parser.add_argument("--cp-attention", choices=("allgather", "ulysses"), default="allgather",
                         help="with --cp: gather keys and values, or Ulysses' all-to-all over heads")
     parser.add_argument("--seed", type=int, default=0)

@@ -2,8 +2,9 @@
 models, the data and the reference, shared by the test (pytest process) and its worker
 (torchrun).
 
-Layouts: ``cp2`` (2 ranks, each sequence split over both) and ``shard2xcp2`` (4 ranks:
-two data-parallel groups of two cp ranks; ranks (s, c), c innermost). The cp ranks of a
+Layouts: ``cp2`` (2 ranks, each sequence split over both), ``shard2xcp2`` (4 ranks:
+two data-parallel groups of two cp ranks; ranks (s, c), c innermost), both FSDP2, and
+``cp2-deepspeed`` (``cp2`` on DeepSpeed ZeRO-3). The cp ranks of a
 group get the same rows; annot splits them. Every row's labels count the same tokens,
 so the mean of the groups' losses is the loss over every row, and losses and gradients
 must match one process that trains on every row, up to float rounding.
@@ -26,7 +27,9 @@ from torch import nn
 from tests.reference import train_reference
 
 WORKER = Path(__file__).with_name("context_parallel_worker.py")
-LAYOUTS = {"cp2": dict(world=2, shard=1, cp=2), "shard2xcp2": dict(world=4, shard=2, cp=2)}
+LAYOUTS = {"cp2": dict(world=2, shard=1, cp=2), "shard2xcp2": dict(world=4, shard=2, cp=2),
+           # DeepSpeed ZeRO-3 with cp 2 (Ulysses through DeepSpeed's DistributedAttention)
+           "cp2-deepspeed": dict(world=2, shard=1, cp=2, engine="deepspeed")}
 ROWS = 2  # per data-parallel group and step
 SEQ = 16  # 2 x cp chunks of 4 tokens (cp 2)
 STEPS = 3

@@ -1,4 +1,4 @@
-"""Context parallelism (a ``cp`` mesh dimension, FSDP2) on CPU ranks against one
+"""Context parallelism (a ``cp`` mesh dimension, FSDP2 and DeepSpeed) on CPU ranks against one
 process on the whole sequences (`tests.engines.context_parallel_cases`), the example's
 ``--cp``, a save with cp 2 resumed with cp 1, and the refusals (no launch).
 
@@ -78,6 +78,22 @@ def test_cp2_trains_like_one_process_on_whole_sequences(cp2, case):
 def test_cp_ranks_return_the_same_loss(cp2):
     for case in CASES:
         assert all(len(set(ranks)) == 1 for ranks in cp2[case]["losses"]), cp2[case]["losses"]
+
+
+@pytest.fixture(scope="module")
+def cp2_deepspeed(tmp_path_factory) -> dict:
+    return _launch("cp2-deepspeed", tmp_path_factory.mktemp("cp2ds"))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_deepspeed_cp2_trains_like_one_process(cp2_deepspeed, case):
+    """ZeRO-3 with cp 2: ``ulysses`` cases through DeepSpeed's DistributedAttention."""
+    _check_against_one_process(cp2_deepspeed, case, groups=1)
+    assert all(len(set(ranks)) == 1 for ranks in cp2_deepspeed[case]["losses"])
+    expected = "deepspeed_ulysses_attention" if case.endswith(":ulysses") else "split_attention"
+    assert cp2_deepspeed[case]["attention"] == expected
 
 
 @pytest.fixture(scope="module")
@@ -166,12 +182,30 @@ def test_a_forward_without_position_ids_is_refused_before_wrapping():
         refuse_unsplittable(_NoPositions())
 
 
-@pytest.mark.parametrize("engine", ["ddp", "deepspeed", "fsdp1"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp1"])
 def test_engines_without_context_parallelism_refuse_cp(engine):
     from annot.engines.mesh import refuse_context_parallel
 
     with pytest.raises(ValueError, match=f"engine '{engine}' has no context parallelism"):
         refuse_context_parallel(annot.ParallelDims(cp=2), engine)
+
+
+def test_deepspeed_takes_parallel_dims_with_cp_only():
+    """DeepSpeed's ``mesh=`` is for context parallelism: a device mesh, replicas or
+    tensor parallelism are refused before anything changes, naming the fix."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from annot.engines.deepspeed import DeepSpeedOptions
+
+    with pytest.raises(TypeError, match="takes mesh=annot.ParallelDims\\(cp=N\\).*hpz_partition_size"):
+        DeepSpeedOptions(mesh=object.__new__(DeviceMesh))
+    with pytest.raises(ValueError, match="cp_attention='ring'"):
+        DeepSpeedOptions(cp_attention="ring")
+    plan_dims = annot.ParallelDims(cp=2)
+    with pytest.raises(ValueError, match="differs from the Plan's parallel dims"):
+        from annot.engines.deepspeed import _parallel_dims
+
+        _parallel_dims(annot.ParallelDims(cp=4), plan_dims)
 
 
 def test_cp_dims_describe_themselves():
