@@ -3,7 +3,8 @@ models, the data and the reference, shared by the test (pytest process) and its 
 (torchrun).
 
 Layouts: ``cp2`` (2 ranks, each sequence split over both), ``shard2xcp2`` (4 ranks:
-two data-parallel groups of two cp ranks; ranks (s, c), c innermost), both FSDP2, and
+two data-parallel groups of two cp ranks; ranks (s, c), c innermost), ``cp2xtp2`` (4
+ranks, ranks (c, t), t innermost, one data-parallel group), all FSDP2, and
 ``cp2-deepspeed`` (``cp2`` on DeepSpeed ZeRO-3). The cp ranks of a
 group get the same rows; annot splits them. Every row's labels count the same tokens,
 so the mean of the groups' losses is the loss over every row, and losses and gradients
@@ -29,7 +30,11 @@ from tests.reference import train_reference
 WORKER = Path(__file__).with_name("context_parallel_worker.py")
 LAYOUTS = {"cp2": dict(world=2, shard=1, cp=2), "shard2xcp2": dict(world=4, shard=2, cp=2),
            # DeepSpeed ZeRO-3 with cp 2 (Ulysses through DeepSpeed's DistributedAttention)
-           "cp2-deepspeed": dict(world=2, shard=1, cp=2, engine="deepspeed")}
+           "cp2-deepspeed": dict(world=2, shard=1, cp=2, engine="deepspeed"),
+           # cp 2 x tp 2 on 4 ranks, tp innermost: the two cp ranks of a tp rank split the
+           # sequence, the two tp ranks of a cp rank split the layers (the tensor-parallel
+           # cases' plans: the Llama's own, the GPT's MLP rule)
+           "cp2xtp2": dict(world=4, shard=1, cp=2, tp=2)}
 ROWS = 2  # per data-parallel group and step
 SEQ = 16  # 2 x cp chunks of 4 tokens (cp 2)
 STEPS = 3

@@ -26,6 +26,7 @@ from tests.engines.context_parallel_cases import (
     loss_fn,
     make_optimizer,
 )
+from tests.engines.tensor_parallel_cases import tp_plan
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,11 +47,14 @@ def train(layout: str, case: str) -> dict:
     name, _, attention = case.partition(":")
     sizes = LAYOUTS[layout]
     engine = sizes.get("engine", "fsdp2")
-    dims = annot.ParallelDims(shard=sizes["shard"], cp=sizes["cp"])
-    options = {"stage": 3} if engine == "deepspeed" else {}
+    tp = sizes.get("tp", 1)
+    dims = annot.ParallelDims(shard=sizes["shard"], cp=sizes["cp"], tp=tp)
+    options: dict = {"stage": 3} if engine == "deepspeed" else {}
+    if tp > 1:
+        options["tp_plan"] = tp_plan(name)
     trainer = annot.auto_wrap(build(name), engine, mesh=dims, optimizer=make_optimizer,
                               checkpoint=True, cp_attention=attention or "allgather", **options)
-    group = dist.get_rank() // sizes["cp"]
+    group = dist.get_rank() // (sizes["cp"] * tp)  # the data-parallel group: its rows
     losses, grads = [], []
     for batch in batches(name, sizes["shard"]):
         loss = loss_fn(name)(trainer, group_rows(batch, group))

@@ -6,8 +6,8 @@ Each launch trains each model twice: with the default all-gather attention and w
 Ulysses (``cp_attention="ulysses"``, an all-to-all over heads; the tiny Llama's 2
 key/value heads split as well). Default lane: cp 2 on 2 ranks (one launch, about 26 s on
 the shared 2-core machine).
-Sweep lane (``-m sweep``): shard 2 x cp 2 on 4 ranks (about 40 s) and the example's runs
-(a 2-rank launch and two single processes, about 30 s).
+Sweep lane (``-m sweep``): shard 2 x cp 2 and cp 2 x tp 2 on 4 ranks (about 40 s and
+30 s) and the example's runs (a 2-rank launch and two single processes, about 30 s).
 """
 
 from __future__ import annotations
@@ -106,6 +106,19 @@ def shard2xcp2(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("case", CASES)
 def test_shard2_x_cp2_trains_like_one_process(shard2xcp2, case):
     _check_against_one_process(shard2xcp2, case, groups=2)
+
+
+@pytest.fixture(scope="module")
+def cp2xtp2(tmp_path_factory) -> dict:
+    return _launch("cp2xtp2", tmp_path_factory.mktemp("cp2xtp2"))
+
+
+@pytest.mark.distributed
+@pytest.mark.sweep
+@pytest.mark.parametrize("case", CASES)
+def test_cp2_x_tp2_trains_like_one_process(cp2xtp2, case):
+    """Context and tensor parallelism together on 4 ranks (about 30 s on 2 cores)."""
+    _check_against_one_process(cp2xtp2, case, groups=1)
 
 
 TRAIN = ROOT / "examples" / "gpt" / "train.py"
