@@ -274,9 +274,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"annot plan: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # the model's own forward failed under fake tensors
-        first = (str(exc).strip().splitlines() or [""])[0]
-        print(f"annot plan: error: tracing {type(model).__name__}.forward for --memory failed: "
-              f"{type(exc).__name__}: {first}", file=sys.stderr)
+        print(f"annot plan: error: {trace_failure(model, exc, args.precision)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "memory": report.to_dict()}, indent=2))
@@ -321,6 +319,32 @@ def _run_fit(args: argparse.Namespace, model, options, plan_of, gpu_mem, host_me
 DEFAULT_SEQ = 2048
 # Config fields that bound a model's sequence length (learned position tables).
 _POSITION_LIMITS = ("max_position_embeddings", "n_positions", "n_ctx")
+
+
+#: What a forward does that a trace without data cannot follow (torch's fake tensors).
+_DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException")
+
+
+def trace_failure(model, exc: Exception, precision: str = "fp32") -> str:
+    """The message for a model whose forward failed under the memory trace's fake tensors:
+    where it reads a tensor's value (``.item()``, a nonzero's size) the trace cannot know
+    it, and the message says so rather than leave a torch internal to decode; a dtype
+    error under a 16-bit ``precision`` names the setting (the trace casts parameters as
+    mixed precision computes, and some models fail so for real: xLSTM)."""
+    name = type(model).__name__
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if type(exc).__name__ in _DATA_DEPENDENT:
+        return (f"{name}.forward reads a tensor's value ({first}: e.g. .item() or a size "
+                "that depends on the data), which the --memory trace cannot know: it traces "
+                "shapes, not values. annot plan without --memory works, and so does training; "
+                "measure this model's peak in a real step instead")
+    message = f"tracing {name}.forward for --memory failed: {type(exc).__name__}: {first}"
+    if precision in ("bf16-mixed", "fp16-mixed", "bf16") and "type" in first.lower():
+        message += (f" (--precision {precision} traces the forward with 16-bit parameters, as "
+                    "FSDP's and DeepSpeed's mixed precision run it; a model that fails so outside "
+                    "the trace too, as xLSTM does, trains in fp32 or under autocast: plan it with "
+                    "--precision fp32 or amp)")
+    return message
 
 
 def default_seq(model) -> int:

@@ -64,7 +64,8 @@ def _storage_key(t: torch.Tensor) -> int:
 
 def default_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Token ids of shape (batch, seq) as the model's first input, and as its targets or
-    labels when ``forward`` takes them (so the loss's saved tensors count too). Vision
+    labels when ``forward`` takes them (so the loss's saved tensors count too);
+    ``use_cache=False`` where ``forward`` takes it, as in training. Vision
     models (a ``pixel_values`` input and no ``input_ids``) get images of the configured
     size instead: a model taking both (Fuyu: images optional) is traced on text."""
     params = inspect.signature(model.forward).parameters
@@ -75,6 +76,11 @@ def default_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[Any, .
         return (), {"pixel_values": torch.zeros(batch, channels, size, size)}
     ids = torch.zeros(batch, seq, dtype=torch.long)
     kwargs: dict[str, Any] = {}
+    if "use_cache" in params:
+        # A training step keeps no key/value cache (annot passes use_cache=False to
+        # training forwards that checkpoint, pitfall 14); transformers' default, the
+        # config's True, builds one, and Bamba, Dory and xLSTM fail in it (issue #29).
+        kwargs["use_cache"] = False
     if "input_ids" in params:
         kwargs["input_ids"] = ids
         if "decoder_input_ids" in params:  # encoder-decoder: as long a target as the source
@@ -380,10 +386,31 @@ def _gpu_rules(dtype: torch.dtype | None) -> Any:
 
 @contextlib.contextmanager
 def _traceable() -> Iterator[None]:
-    """What a trace of a model's step needs besides fake tensors: `_torch_linear` and
-    `_traceable_experts`."""
-    with _torch_linear(), _traceable_experts():
+    """What a trace of a model's step needs besides fake tensors: `_torch_linear`,
+    `_traceable_experts` and `_unpacked_sequences`."""
+    with _torch_linear(), _traceable_experts(), _unpacked_sequences():
         yield
+
+
+@contextlib.contextmanager
+def _unpacked_sequences() -> Iterator[None]:
+    """Tell transformers' masks that the traced batch holds no packed sequences, which is
+    true of the trace's inputs (one sequence a row, positions 0 to seq-1). Without a
+    key/value cache (``use_cache=False``, as training runs) transformers looks for packed
+    sequences in the position ids; a real step finds none and lets SDPA mask causally,
+    but under fake tensors the check is skipped (``is_tracing``) and a seq x seq mask is
+    built and saved: the trace counted it in every attention call where the step has
+    none. Applied only where transformers' masking module is already imported."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if masking is None or original is None:
+        yield
+        return
+    setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(masking, "find_packed_sequence_indices", original)  # noqa: B010
 
 
 @contextlib.contextmanager

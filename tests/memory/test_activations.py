@@ -205,3 +205,44 @@ def test_a_model_taking_text_and_optional_images_is_traced_on_text():
     args, kwargs = default_inputs(TextAndImages(), batch=2, seq=5)
     assert args == () and set(kwargs) == {"input_ids", "labels"}
     assert kwargs["input_ids"].shape == (2, 5)
+
+
+class _CacheFails(torch.nn.Module):
+    """Fails, as Bamba, Dory and xLSTM do in transformers 5.24, when asked for a cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+
+    def forward(self, input_ids=None, labels=None, use_cache=True):
+        if use_cache:
+            raise ValueError("`get_seq_length` can only be called on Attention layers")
+        return self.embed(input_ids).square().mean()
+
+
+def test_the_trace_runs_without_a_cache_as_training_does():
+    args, kwargs = default_inputs(_CacheFails(), batch=2, seq=5)
+    assert kwargs["use_cache"] is False
+    estimate = trace_activations(_CacheFails(), None, batch=2, seq=5)
+    assert estimate.saved > 0
+
+
+def test_a_forward_that_reads_a_value_is_refused_with_the_reason(tmp_path, capsys):
+    from annot.cli.main import main
+
+    source = tmp_path / "reads.py"
+    # Reads a tensor's value, as XLM's forward asserts ``lengths.max().item() <= slen``.
+    source.write_text(
+        "from torch import nn\nimport annot\n\n"
+        "@annot.shard_block\nclass Block(nn.Linear):\n    pass\n\n"
+        "class ReadsAValue(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed, self.block = nn.Embedding(11, 8), Block(8, 8)\n\n"
+        "    def forward(self, input_ids=None):\n"
+        "        assert input_ids.max().item() < 11\n"
+        "        return self.block(self.embed(input_ids)).sum()\n")
+    assert main(["plan", f"{source}:ReadsAValue", "--memory", "--seq", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "ReadsAValue.forward reads a tensor's value" in err
+    assert "annot plan without --memory works" in err
