@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from annot.runtime.split_attention import refuse_unsplittable_call
-from annot.runtime.ulysses_attention import refuse_head_counts, whole_sequence_sdpa
+from annot.runtime.ulysses_attention import checked_heads, whole_sequence_sdpa
 
 __all__ = ["deepspeed_ulysses_attention"]
 
@@ -43,13 +42,7 @@ def deepspeed_ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: t
     ``key_places``: every rank's, in rank order (the order DeepSpeed's exchange gives)."""
     from deepspeed.sequence.layer import DistributedAttention
 
-    refuse_unsplittable_call(query, key, attn_mask, query_places.numel())
-    size = dist.get_world_size(group)
-    heads, kv_heads = query.shape[1], key.shape[1]
-    refuse_head_counts(heads, size)
-    if kv_heads != heads and kv_heads % size:
-        key = key.repeat_interleave(heads // kv_heads, dim=1)
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    key, value = checked_heads(query, key, value, attn_mask, group=group, query_places=query_places)
 
     def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # (B, cp*t, H/cp, D) in rank order -> SDPA's (B, H/cp, cp*t, D) in true order and back.

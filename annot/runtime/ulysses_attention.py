@@ -39,8 +39,8 @@ from annot.runtime.split_attention import AttentionNotSplittableError, refuse_un
 #: (bound at import, before any `SplitAttention` replaces the attribute).
 _SDPA = F.scaled_dot_product_attention
 
-__all__ = ["heads_to_sequence", "refuse_head_counts", "sequence_to_heads", "ulysses_attention",
-           "whole_sequence_sdpa"]
+__all__ = ["checked_heads", "heads_to_sequence", "refuse_head_counts", "sequence_to_heads",
+           "ulysses_attention", "whole_sequence_sdpa"]
 
 
 def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -113,22 +113,31 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """``scaled_dot_product_attention`` of this rank's part of the sequence, computed by
     heads over the whole sequence (module docstring). ``query_places``: this rank's
     tokens' places; ``key_places``: every rank's, in rank order."""
-    refuse_unsplittable_call(query, key, attn_mask, query_places.numel())
-    size = dist.get_world_size(group)
-    heads, kv_heads = query.shape[1], key.shape[1]
-    refuse_head_counts(heads, size)
-    if kv_heads != heads and kv_heads % size:
-        # Grouped-query attention with key/value heads that do not divide: give every
-        # query head its own copy (SDPA's enable_gqa pairs query head h with kv head
-        # h // (heads / kv_heads), which repeat_interleave reproduces).
-        key = key.repeat_interleave(heads // kv_heads, dim=1)
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    key, value = checked_heads(query, key, value, attn_mask, group=group, query_places=query_places)
     # A head group of the queries pairs with the same group of the kv heads: rank r gets
     # query heads [r*H/cp, (r+1)*H/cp) and kv heads [r*Hkv/cp, ...), the ones they use.
     q, k, v = (heads_to_sequence(t, group) for t in (query, key, value))
     out = whole_sequence_sdpa(q, k, v, key_places, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa)
     return sequence_to_heads(out, group)
+
+
+def checked_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attn_mask: torch.Tensor | None, *, group: dist.ProcessGroup,
+                  query_places: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value a Ulysses exchange over ``group`` can split, ``(B, H, t, D)``
+    tensors: a call Ulysses cannot split, or query heads that do not divide, refused;
+    grouped-query key/value heads that do not divide repeated to the query heads (SDPA's
+    ``enable_gqa`` pairs query head h with kv head h // (heads / kv_heads), which
+    ``repeat_interleave`` reproduces)."""
+    refuse_unsplittable_call(query, key, attn_mask, query_places.numel())
+    size = dist.get_world_size(group)
+    heads, kv_heads = query.shape[1], key.shape[1]
+    refuse_head_counts(heads, size)
+    if kv_heads != heads and kv_heads % size:
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    return key, value
 
 
 def whole_sequence_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_places: torch.Tensor,

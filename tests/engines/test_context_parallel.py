@@ -45,9 +45,20 @@ def _launch(layout: str, tmp_path) -> dict:
     return torch.load(out, weights_only=False)
 
 
-@pytest.fixture(scope="module")
-def cp2(tmp_path_factory) -> dict:
-    return _launch("cp2", tmp_path_factory.mktemp("cp2"))
+def _launched(layout: str):
+    """A module-scoped fixture: one launch of ``layout`` for all the tests that take it."""
+
+    @pytest.fixture(scope="module")
+    def launched(tmp_path_factory) -> dict:
+        return _launch(layout, tmp_path_factory.mktemp(layout))
+
+    return launched
+
+
+cp2 = _launched("cp2")
+cp2_deepspeed = _launched("cp2-deepspeed")
+shard2xcp2 = _launched("shard2xcp2")
+cp2xtp2 = _launched("cp2xtp2")
 
 
 def _far(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -80,11 +91,6 @@ def test_cp_ranks_return_the_same_loss(cp2):
         assert all(len(set(ranks)) == 1 for ranks in cp2[case]["losses"]), cp2[case]["losses"]
 
 
-@pytest.fixture(scope="module")
-def cp2_deepspeed(tmp_path_factory) -> dict:
-    return _launch("cp2-deepspeed", tmp_path_factory.mktemp("cp2ds"))
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
@@ -96,21 +102,11 @@ def test_deepspeed_cp2_trains_like_one_process(cp2_deepspeed, case):
     assert cp2_deepspeed[case]["attention"] == expected
 
 
-@pytest.fixture(scope="module")
-def shard2xcp2(tmp_path_factory) -> dict:
-    return _launch("shard2xcp2", tmp_path_factory.mktemp("shard2xcp2"))
-
-
 @pytest.mark.distributed
 @pytest.mark.sweep
 @pytest.mark.parametrize("case", CASES)
 def test_shard2_x_cp2_trains_like_one_process(shard2xcp2, case):
     _check_against_one_process(shard2xcp2, case, groups=2)
-
-
-@pytest.fixture(scope="module")
-def cp2xtp2(tmp_path_factory) -> dict:
-    return _launch("cp2xtp2", tmp_path_factory.mktemp("cp2xtp2"))
 
 
 @pytest.mark.distributed

@@ -2,7 +2,7 @@
 ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, a tiny config each, loaded with
 ``annot.from_pretrained(DIR, "fsdp2")`` on 2 CPU ranks (plain and ``checkpoint=True``)
 and compared with plain single-process ``AutoModelForCausalLM.from_pretrained(DIR)``,
-plus ``annot plan DIR`` and ``annot plan DIR --memory``. Each architecture ends as one
+plus ``annot plan DIR`` and ``annot plan DIR --memory --seq 256``. Each architecture ends as one
 row: ``pass``, ``refused`` (an annot error, with its reason), ``skipped`` (with its
 reason: multimodal, or transformers itself fails) or ``failing`` (a crash, a silent
 difference, a plan command that did not exit 0).
