@@ -209,9 +209,11 @@ def train_loaded_parameters(model: nn.Module, path: str | os.PathLike[str]) -> l
         missing = set(check_keys(model, path)[0])
     except CheckpointError:  # keys annot cannot read (converted tensors): the load refuses
         return []
-    changed = [name for name in frozen if name not in missing]
-    for name in changed:
+    loaded = [name for name in frozen if name not in missing]
+    for name in loaded:
         model.get_parameter(name).requires_grad_(True)
+    refrozen = _frozen_by_init_weights(model)
+    changed = [name for name in loaded if name not in refrozen]
     if changed:
         shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
         module_state(model).plan_notes += (
@@ -219,6 +221,42 @@ def train_loaded_parameters(model: nn.Module, path: str | os.PathLike[str]) -> l
             f"{type(model).__name__}'s constructor freezes them: {shown} (leave them out of "
             "the optimizer to keep them fixed, as in eager construction)",)
     return changed
+
+
+def _frozen_by_init_weights(model: nn.Module) -> set[str]:
+    """Run transformers' post-load weight initialisation (``initialize_weights``, which
+    ``from_pretrained`` runs after reading the files) on ``model`` for its side effects
+    alone, and return the parameters it froze (they stay frozen). transformers' own
+    initialisers skip a tensor marked ``_is_hf_initialized``, as a loaded one is, so every
+    tensor is marked for the pass: no value changes (the model is on the meta device
+    anyway), but an ``_init_weights`` that calls ``requires_grad_(False)`` does so, as in
+    a plain load: HRM's ``z_L_init`` is loaded, made trainable by the loader, and frozen
+    again there (issue #29's sweep found annot training it). A pass that raises on the
+    meta device leaves the parameters as they were, with a Plan warning."""
+    from annot.module_state import module_state
+
+    initialize = getattr(model, "initialize_weights", None)
+    if initialize is None:
+        return set()
+    marked = [t for t in [*model.parameters(), *model.buffers(), *model.modules()]
+              if not hasattr(t, "_is_hf_initialized")]
+    tensors = [t for t in marked if isinstance(t, torch.Tensor)]
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    for tensor in tensors:
+        tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    try:
+        initialize()
+    except Exception as exc:  # noqa: BLE001 - a model's own code on the meta device
+        module_state(model).plan_notes += (
+            f"could not run {type(model).__name__}'s weight initialisation on the meta device "
+            f"({type(exc).__name__}) to see which parameters it freezes after a load: every "
+            "loaded floating-point parameter trains",)
+        return set()
+    finally:
+        for item in marked:
+            if hasattr(item, "_is_hf_initialized"):
+                delattr(item, "_is_hf_initialized")
+    return {name for name, p in model.named_parameters() if name in trainable and not p.requires_grad}
 
 
 def _checkpoint_completes(model: nn.Module, path: Path) -> bool:

@@ -158,7 +158,8 @@ def trace_activations(
         handles.append(modules[path].register_forward_pre_hook(enter(path), with_kwargs=True))
         handles.append(modules[path].register_forward_hook(leave))
     try:
-        with fake_mode, _traceable(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fake_mode, _traceable(), _tensor_attributes_kept(model), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             torch.func.functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
     finally:
         for handle in handles:
@@ -390,6 +391,26 @@ def _traceable() -> Iterator[None]:
     `_traceable_experts` and `_unpacked_sequences`."""
     with _torch_linear(), _traceable_experts(), _unpacked_sequences():
         yield
+
+
+@contextlib.contextmanager
+def _tensor_attributes_kept(model: nn.Module) -> Iterator[None]:
+    """Leave ``model``'s modules as they were: a forward that stores a tensor on its
+    module (RecurrentGemma's ``recurrent_states``) left a fake tensor with a graph on the
+    user's model after a trace that runs on it (``functional_call``), and the next
+    trace's deep copy of the model failed on it (issue #29's sweep). Any tensor attribute
+    the call sets or replaces is put back as it was (removed, or its old value)."""
+    before = {module: dict(vars(module)) for module in model.modules()}
+    try:
+        yield
+    finally:
+        for module, attributes in before.items():
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor) and attributes.get(name, None) is not value:
+                    if name in attributes:
+                        module.__dict__[name] = attributes[name]
+                    else:
+                        del module.__dict__[name]
 
 
 @contextlib.contextmanager

@@ -45,7 +45,10 @@ _SIZES: dict[str, int] = {
                      "d_inner", "feed_forward_proj_dim", "mamba_d_ssm"), INTERMEDIATE),
     **dict.fromkeys(("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
                      "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-                     "shared_intermediate_size", "ffn_dim_moe"), EXPERT_INTERMEDIATE),
+                     "shared_intermediate_size", "ffn_dim_moe", "expert_ffn_hidden_size"),
+                    EXPERT_INTERMEDIATE),
+    # LongCat-Flash's identity ("zero") experts beside the routed ones
+    **dict.fromkeys(("zero_expert_num",), EXPERTS),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
                      "num_routed_experts"), EXPERTS),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token",

@@ -45,3 +45,19 @@ def test_plan_table_names_the_parameters_trained_against_their_constructor(saved
     assert annot_main(["plan", str(directory)]) == 0
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     assert any("from_pretrained" in w and FROZEN_WHEN_BUILT[model_type] in w for w in warnings), warnings
+
+
+def test_a_parameter_transformers_init_freezes_after_the_load_stays_frozen(tmp_path):
+    """HRM's ``z_L_init`` is loaded, made trainable by transformers' loader and frozen
+    again by its ``_init_weights``, which ``from_pretrained`` runs after the files: plain
+    transformers does not train it, so annot must not either (issue #29's sweep found a
+    silent difference here)."""
+    config = tiny_config("hrm_text")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    ours = annot.from_pretrained(tmp_path, engine=None)
+    assert not theirs.get_parameter("model.z_L_init").requires_grad
+    assert {n for n, p in ours.named_parameters() if p.requires_grad} == \
+        {n for n, p in theirs.named_parameters() if p.requires_grad}
+    # the pass left no marks behind
+    assert not any(hasattr(t, "_is_hf_initialized") for t in [*ours.parameters(), *ours.modules()])

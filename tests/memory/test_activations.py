@@ -246,3 +246,25 @@ def test_a_forward_that_reads_a_value_is_refused_with_the_reason(tmp_path, capsy
     err = capsys.readouterr().err
     assert "ReadsAValue.forward reads a tensor's value" in err
     assert "annot plan without --memory works" in err
+
+
+class _StoresItsState(torch.nn.Module):
+    """Keeps a tensor on itself in forward, as RecurrentGemma's recurrent block does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.recurrent_states = None
+
+    def forward(self, input_ids=None):
+        self.recurrent_states = self.embed(input_ids) + 1.0
+        return self.recurrent_states.square().mean()
+
+
+def test_a_trace_leaves_no_tensor_on_the_model():
+    import copy
+
+    model = _StoresItsState()
+    trace_activations(model, None, batch=1, seq=4)
+    assert model.recurrent_states is None
+    copy.deepcopy(model)  # the next trace copies the model: it failed on the fake tensor
