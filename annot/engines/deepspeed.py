@@ -29,7 +29,7 @@ import gc
 import logging
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -63,6 +63,9 @@ from annot.policies.model_index import ModelIndex
 from annot.policies.parallel import ParallelDims
 from annot.runtime.activation_checkpoint import apply_checkpointing
 from annot.runtime.context_parallel import ATTENTIONS, ContextParallel, refuse_unsplittable
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "DeepSpeed",
@@ -262,7 +265,7 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
         self.config: dict[str, Any] = {}
         self.cpu_adam: bool | None = None
         #: The context-parallel group's ranks (``None``: no context parallelism).
-        self.cp_mesh: Any = None
+        self.cp_mesh: DeviceMesh | None = None
 
     # Until 0.2.0 auto_wrap took reshard_after_forward for every engine; for DeepSpeed it
     # chose the stage (True: 3, the default then; False: 2) when config= was not given.

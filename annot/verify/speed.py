@@ -83,6 +83,11 @@ def _example_model(shape: Shape) -> tuple[nn.Module, Callable[[nn.Module, Any, A
     return model, lambda m, x, y: m(x, y)[1], "examples.gpt GPT"
 
 
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of the example GPT (or TinyGPT): the units to shard."""
+    return [m for m in model.modules() if m is not model and type(m).__name__ == "Block"]
+
+
 def _step_seconds(model: nn.Module, optimizer: torch.optim.Optimizer, loss_of: Any,
                   batch: Any, ctx: Context) -> float:
     """One training step of ``model``, timed from an idle device to an idle device."""
@@ -118,11 +123,9 @@ def throughput_vs_hand_wired(ctx: Context) -> Row:
     hand, loss_of, which = _example_model(shape)
     hand = hand.to(ctx.device)
     models = {"hand": hand, "hand_copy": copy.deepcopy(hand), "annot": copy.deepcopy(hand)}
-    units = [m for m in hand.modules() if m is not hand and type(m).__name__ == "Block"]
+    units = _blocks(hand)
     for key in ("hand", "hand_copy"):
-        fully_shard_by_hand(models[key], [m for m in models[key].modules()
-                                          if m is not models[key] and type(m).__name__ == "Block"],
-                            torch.bfloat16)
+        fully_shard_by_hand(models[key], _blocks(models[key]), torch.bfloat16)
     auto_wrap(models["annot"], "fsdp2", mixed_precision="bf16", checkpoint=False, device=ctx.device)
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True) for k, m in models.items()}
     data = batches(shape, STEPS_TIMED, batch, ctx.device)

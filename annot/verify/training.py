@@ -23,8 +23,9 @@ from annot.verify.model import Shape, TinyGPT, batches
 from annot.verify.result import Row, fail_unless, skipped
 from annot.wrap import auto_wrap
 
-__all__ = ["ddp_parity_fp32", "deepspeed_zero3", "fp16_finite", "fsdp1_parity_fp32", "fsdp2_bf16_vs_fully_shard", "fsdp2_parity_fp32",
-           "meta_init_bitwise", "save_resume_bitwise", "zero_offload_cpu_adam"]
+__all__ = ["ddp_parity_fp32", "deepspeed_zero3", "fp16_finite", "fsdp1_parity_fp32",
+           "fsdp2_bf16_vs_fully_shard", "fsdp2_parity_fp32", "meta_init_bitwise",
+           "save_resume_bitwise", "zero_offload_cpu_adam"]
 
 STEPS = 4
 BATCH = 4
