@@ -123,7 +123,7 @@ def write_shared(staged: Path, names: list[str], shards: list[list[Entry]],
                     if writer is None:
                         writer = RangeWriter(staged / name)
                     dtype = out_dtype(entry)
-                    data = tensor.to(device="cpu", dtype=dtype).contiguous()
+                    data = tensor.to(dtype=dtype)  # any device: the writer copies it in pieces
                     writer.write_at(offsets[entry.name] + first * dtype.itemsize, data)
                     del data
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
