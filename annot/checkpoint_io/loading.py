@@ -39,7 +39,7 @@ from annot.checkpoint_io.read_queue import ReadQueue
 from annot.checkpoint_io.safetensors_file import SafetensorsFile
 from annot.errors import CheckpointError
 from annot.huggingface.conversions import Conversions, plan_conversions, read_flat
-from annot.huggingface.conversions import read as read_converted
+from annot.huggingface.conversions import read_into as read_converted_into
 from annot.huggingface.keys import KeyRules, checkpoint_renamer, key_rules, peft_renamer
 from annot.huggingface.model import is_peft_model, is_pretrained_model
 from annot.meta.deferred import deferred_init_of
@@ -449,11 +449,12 @@ def _fill_converted(model: nn.Module, groups: list[list[str]], match: _Match,
                             read_flat(node, part.start, part.stop, reader))
             else:
                 block = _block(target)
-                value = (read_converted(node, block.start, block.shape, reader) if block is not None
-                         else read_converted(node, (0,) * len(node.shape), node.shape, reader))
-                for other in {id(t): t for t in (local(names[n]) for n in group)}.values():
+                start, shape = (block.start, block.shape) if block is not None else ((0,) * len(node.shape), node.shape)
+                first, *others = {id(t): t for t in (local(names[n]) for n in group)}.values()
+                read_converted_into(node, start, shape, reader, first)  # straight into the parameter
+                for other in others:
                     if other.numel():
-                        other.copy_(value)
+                        other.copy_(first)
             loaded += 1
     return loaded, read
 

@@ -117,35 +117,48 @@ class Transpose(Node):
 def read(node: Node, start: Sequence[int], shape: Sequence[int], reader: Reader) -> torch.Tensor:
     """Indices ``start[d]:start[d] + shape[d]`` of the converted tensor ``node``,
     reading through ``reader`` only the source blocks they come from."""
+    out = torch.empty(tuple(shape), dtype=node.dtype)
+    read_into(node, start, shape, reader, out)
+    return out
+
+
+def read_into(node: Node, start: Sequence[int], shape: Sequence[int], reader: Reader,
+              out: torch.Tensor) -> None:
+    """`read` into ``out`` (a tensor of ``shape``, any strides; values cast to its dtype),
+    such as the parameter's own local block: no more than one source block is alive at
+    a time, where building the block by stacking and concatenating held it twice over."""
     start, shape = tuple(start), tuple(shape)
     if len(start) != len(node.shape) or len(shape) != len(node.shape) or any(
             s < 0 or n < 0 or s + n > full for s, n, full in zip(start, shape, node.shape, strict=True)):
         raise ValueError(f"block at {start} of shape {shape} is not inside {node.shape}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"the destination is {tuple(out.shape)}, the block {shape}")
     if not math.prod(shape):
-        return torch.empty(shape, dtype=node.dtype)
+        return
     if isinstance(node, Source):
-        return reader(node.key, start, shape)
-    if isinstance(node, Stack):
+        out.copy_(reader(node.key, start, shape))
+    elif isinstance(node, Stack):
         d = node.dim
         inner_start, inner_shape = start[:d] + start[d + 1:], shape[:d] + shape[d + 1:]
-        return torch.stack([read(node.inputs[i], inner_start, inner_shape, reader)
-                            for i in range(start[d], start[d] + shape[d])], dim=d)
-    if isinstance(node, Cat):
-        d, offset, pieces = node.dim, 0, []
+        for j in range(shape[d]):
+            read_into(node.inputs[start[d] + j], inner_start, inner_shape, reader, out.select(d, j))
+    elif isinstance(node, Cat):
+        d, offset = node.dim, 0
         for part in node.inputs:
             low, high = max(start[d], offset), min(start[d] + shape[d], offset + part.shape[d])
             if low < high:  # only the inputs the block overlaps are read
-                pieces.append(read(part, _put(start, d, low - offset), _put(shape, d, high - low), reader))
+                read_into(part, _put(start, d, low - offset), _put(shape, d, high - low), reader,
+                          out.narrow(d, low - start[d], high - low))
             offset += part.shape[d]
-        return torch.cat(pieces, dim=d)
-    if isinstance(node, Narrow) and node.input is not None:
-        return read(node.input, _put(start, node.dim, start[node.dim] + node.start), shape, reader)
-    if isinstance(node, Transpose) and node.input is not None:
+    elif isinstance(node, Narrow) and node.input is not None:
+        read_into(node.input, _put(start, node.dim, start[node.dim] + node.start), shape, reader, out)
+    elif isinstance(node, Transpose) and node.input is not None:
         a, b = node.dim0, node.dim1
         swapped_start = _put(_put(start, a, start[b]), b, start[a])
         swapped_shape = _put(_put(shape, a, shape[b]), b, shape[a])
-        return read(node.input, swapped_start, swapped_shape, reader).transpose(a, b)
-    raise TypeError(f"unknown conversion node {node!r}")
+        read_into(node.input, swapped_start, swapped_shape, reader, out.transpose(a, b))
+    else:
+        raise TypeError(f"unknown conversion node {node!r}")
 
 
 def read_flat(node: Node, start: int, stop: int, reader: Reader) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import annot
-from annot.huggingface.conversions import plan_conversions, read, read_flat
+from annot.huggingface.conversions import plan_conversions, read, read_flat, read_into
 from annot.huggingface.keys import key_rules
 from tests.distributed import torchrun
 from tests.huggingface.moe_models import (
@@ -79,6 +79,22 @@ def test_shard_of_fused_experts_reads_only_its_experts_rows():
     assert sorted(reads) == sorted(
         [(f"{prefix}{e}.gate_proj.weight", (16,  0), (16, 64)) for e in (2, 3)]
         + [(f"{prefix}{e}.up_proj.weight", (0, 0), (16, 64)) for e in (2, 3)])
+
+
+def test_block_read_into_a_strided_destination_equals_transformers():
+    """`read_into` fills the parameter's own memory, whatever its strides (here a
+    permuted view, as a transposed parameter would be), with the same values `read`
+    returns, and refuses a destination of another shape."""
+    values = _file_sources("qwen3_moe")
+    model = _meta_model("qwen3_moe")
+    plan = plan_conversions(model, key_rules(model), {k: (tuple(v.shape), v.dtype) for k, v in values.items()})
+    node = plan.targets[LAYER + "gate_up_proj"]
+    fused = build("qwen3_moe").state_dict()[LAYER + "gate_up_proj"]
+    out = torch.full((64, 32, 2), float("nan")).permute(2, 1, 0)
+    read_into(node, (2, 16, 0), (2, 32, 64), _recording_reader(values, []), out)
+    assert not out.is_contiguous() and torch.equal(out, fused[2:4, 16:48])
+    with pytest.raises(ValueError, match="destination"):
+        read_into(node, (2, 16, 0), (2, 32, 64), _recording_reader(values, []), torch.empty(2, 32, 63))
 
 
 def test_flat_range_of_fused_experts_equals_transformers():
