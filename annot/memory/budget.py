@@ -7,7 +7,8 @@ trace setting) give the model: one forward that profiles each block
 its FLOPs) and the plain training step (`trace_step`), whose stretches (forward and
 backward of each shard unit, outside them) are each joined with what the engine holds
 then (`annot.memory.engine_memory`: model states, buffers, gathered parameters,
-gradients so far; `BudgetSolver.points`). So the peak is checked at the end of forward
+gradients so far; `BudgetSolver.points`, read from one evaluation of the engine model
+per strategy: `BudgetSolver._engine_at`). So the peak is checked at the end of forward
 and at every stretch of backward, each with the engine's memory at that moment, and
 with every block at ``none`` the model gives the traced peak exactly (tested).
 `annot.memory.solver` then picks the choices exactly (dynamic programming over the
@@ -372,15 +373,12 @@ class BudgetSolver:
             prefix[i] = running
         extra: list[float] = [-float("inf")] * len(st.blocks)
         head = -float("inf")
-        for k, (_, unit, top, end) in enumerate(trace.segments):
-            for which, act in ((0, top), (1, end)):
-                marked = tuple((ph, u, big if j == k and which == 0 else 0, big if j == k and which == 1 else 0)
-                               for j, (ph, u, _, _) in enumerate(trace.segments))
-                device_ = self._memory(s, dataclasses.replace(
-                    trace, peak=big, peak_with_grads=big + trace.grads, segments=marked)).device
-                if device_ < big:
+        engine = self._engine_at(s, trace, big)
+        for (_, unit, top, end), held_here in zip(trace.segments, engine, strict=True):
+            for act, engine_bytes in zip((top, end), held_here, strict=True):
+                if engine_bytes is None:
                     continue  # the engine has no stretch at this point
-                value = act + device_ - big
+                value = act + engine_bytes
                 if unit in block_of:
                     i = block_of[unit]
                     extra[i] = max(extra[i], value - prefix[i])
@@ -396,14 +394,47 @@ class BudgetSolver:
         self._points[s.key] = _Points(self._flat_memory(s, 0).device, extra, head)
         return self._points[s.key]
 
-    def _memory(self, s: Strategy, trace: StepTrace) -> RankMemory:
+    def _engine_at(self, s: Strategy, trace: StepTrace, big: int) -> list[tuple[int | None, int | None]]:
+        """The engine's device memory (all but the activations, with every term added
+        after the peak) while each segment of ``trace`` is at its top and at its end;
+        ``None`` where the engine has no stretch there. By definition: `_memory` of
+        ``trace`` with that one activation set to ``big`` and the others to 0, minus
+        ``big`` (the whole step's peak is ``big`` too, for engines that price only it).
+        Read here from one `_memory` call instead of two per segment: each segment's top
+        and end replaced by a tag of its own (``2k + 1`` and ``2k + 2`` times ``big``),
+        the whole step's peak by ``2S + 1`` times it; every point of the peak then says
+        by its activations which tag it holds, and what it holds beside (below ``big``:
+        gradients added to a peak) counts as the engine's."""
+        n = len(trace.segments)
+        tagged = dataclasses.replace(
+            trace, peak=(2 * n + 1) * big, peak_with_grads=(2 * n + 1) * big + trace.grads,
+            segments=tuple((ph, u, (2 * k + 1) * big, (2 * k + 2) * big)
+                           for k, (ph, u, _, _) in enumerate(trace.segments)))
+        points: list[tuple[int, int]] = []
+        memory = self._memory(s, tagged, points)
+        added = memory.device - max(at for at, _ in points)
+        engine_at: dict[int, int] = {}
+        for at, activations in points:
+            tag = activations // big
+            if tag:
+                engine_at[tag] = max(engine_at.get(tag, 0), at - tag * big + added)
+        everywhere = engine_at.get(2 * n + 1)  # points that price the whole step's peak
+
+        def at_tag(tag: int) -> int | None:
+            found = [e for e in (engine_at.get(tag), everywhere) if e is not None]
+            return max(found) if found else None
+
+        return [(at_tag(2 * k + 1), at_tag(2 * k + 2)) for k in range(n)]
+
+    def _memory(self, s: Strategy, trace: StepTrace,
+                points: list[tuple[int, int]] | None = None) -> RankMemory:
         """`strategy_memory` of ``s`` on ``trace``, plus the model's buffers: every rank
         keeps them whole, and no term of `annot.memory.engine_memory` counts them (the
         example GPT's causal masks: 512 KiB at block size 256 x 8 blocks, what a counted
         2-rank run measured above the plain planner's figure)."""
         memory = strategy_memory(s, trace, self.facts, self.plan, world=self.network.world,
                                  precision=self.precision, optimizer=self.optimizer, records=self.records,
-                                 attention=self.attention)
+                                 attention=self.attention, points=points)
         if not self.buffers:
             return memory
         return dataclasses.replace(memory, device=memory.device + self.buffers,

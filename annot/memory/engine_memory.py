@@ -88,10 +88,12 @@ HOST = "host: "  # parts whose name starts so live in host memory
 
 def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, world: int,
                 precision: str, optimizer: str, ds_zero: dict[str, Any] | None = None,
-                ddp_bucket_view: bool = True) -> RankMemory:
+                ddp_bucket_view: bool = True, points: list[tuple[int, int]] | None = None) -> RankMemory:
     """The per-rank memory of ``strategy`` on ``world`` ranks (see the module docstring).
     ``ds_zero`` is the ``zero_optimization`` section DeepSpeed runs with (absent keys:
-    DeepSpeed's defaults)."""
+    DeepSpeed's defaults). ``points``, when given, receives (device bytes, activation
+    bytes) of every point the peak is taken over: where the budget solver reads the
+    engine's memory at each stretch of the step from one call (`annot.memory.budget`)."""
     b = _bytes(precision, strategy.engine, optimizer)
     n_states, foreach_temp = OPTIMIZERS[optimizer]
     P, n = facts.params, world
@@ -113,7 +115,7 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
         static = {"params": P * b["param"], "grad buckets": P * b["grad"], "optimizer": P * states}
         act = trace.peak if ddp_bucket_view else trace.peak_with_grads
         step = {"optimizer step temporaries": P * temp}
-        return _peak(static, [("forward/backward", {"activations": act})], step)
+        return _peak(static, [("forward/backward", {"activations": act})], step, points)
 
     if strategy.engine == "deepspeed":
         zero = _ds_defaults(ds_zero or {})
@@ -148,7 +150,7 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
                     allocated = True
                 else:
                     stretches.append((name(ph, u), {"activations": top, **(grads if allocated else {})}))
-            return _peak(static, stretches, step)
+            return _peak(static, stretches, step, points)
         # ZeRO-3: the parameter partition (host with parameter offload), persistent
         # parameters whole; while a unit runs, it and the prefetch bucket are gathered.
         where = HOST if strategy.offload_params else ""
@@ -169,7 +171,7 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
                                       "parameters kept for reuse": kept * b["compute"],
                                       **(grads if ph == "backward" else {})}))
         step["parameters kept for reuse"] = across_step * b["compute"]
-        return _peak(static, run, step)
+        return _peak(static, run, step, points)
 
     if strategy.engine == "fsdp1" and n == 1 and not strategy.offload_params:
         # At world size 1 FSDP1 switches to NO_SHARD (docs/design.md, pitfall 49):
@@ -177,7 +179,7 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
         # kept to the step, as DDP without buckets (equal to the CPU count).
         static = {"params": P * b["param"], "optimizer": P * states}
         step = {"gradients": P * b["grad"], "optimizer step temporaries": P * temp}
-        return _peak(static, [("forward/backward", {"activations": trace.peak_with_grads})], step)
+        return _peak(static, [("forward/backward", {"activations": trace.peak_with_grads})], step, points)
 
     # FSDP2 / FSDP1: sharded parameters, gradients and optimizer states (on the host with
     # offload); the root's parameters stay gathered from forward to backward (neither
@@ -194,17 +196,25 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     done_bwd: set[int] = set()
     root = facts.root * b["compute"]
     root_grads = False
+    gathered = 0  # sum of unit(i) over done_fwd - done_bwd, kept as the sets change
+    pending = len(order) - 1  # order[pending]: the unit backward runs next (done_bwd only grows)
     for ph, u, top, end in segments:
         if ph == "forward":
-            if u >= 0:
+            if u >= 0 and u not in done_fwd:
                 done_fwd.add(u)
-            kept = sum(unit(i) for i in done_fwd) if not reshard else unit(u)
+                if u not in done_bwd:
+                    gathered += unit(u)
+            kept = gathered if not reshard else unit(u)
             run.append((name(ph, u), {"activations": top, "gathered parameters": root + kept * b["compute"]}))
             continue
-        if u >= 0:
+        if u >= 0 and u not in done_bwd:
             done_bwd.add(u)
-        nxt = _next_unit(order, done_bwd)
-        kept = (sum(unit(i) for i in done_fwd - done_bwd) + unit(u)) if not reshard else unit(u) + unit(nxt)
+            if u in done_fwd:
+                gathered -= unit(u)
+        while pending >= 0 and order[pending] in done_bwd:
+            pending -= 1
+        nxt = order[pending] if pending >= 0 else -1  # forward order reversed; -1: none left
+        kept = (gathered + unit(u)) if not reshard else unit(u) + unit(nxt)
         # The root's gradients exist once backward has passed the head (the first
         # backward stretch's end); they are reduced last.
         held = {"gathered parameters": root + kept * b["compute"],
@@ -222,7 +232,7 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
                                            "unsharded gradients + reduce-scatter input": reduce}))
     step = {f"{off}sharded gradients": shard * b["reduce"],
             "optimizer step temporaries": 0 if off else shard * temp}
-    return _peak(static, run, step)
+    return _peak(static, run, step, points)
 
 
 def _reuse_retained(segments: tuple[tuple[str, int, int, int], ...], units: tuple[int, ...],
@@ -257,26 +267,33 @@ def _reuse_retained(segments: tuple[tuple[str, int, int, int], ...], units: tupl
     return kept, across
 
 
-def _next_unit(order: list[int], done: set[int]) -> int:
-    """The unit backward runs next (forward order reversed), -1 when none is left."""
-    for u in reversed(order):
-        if u not in done:
-            return u
-    return -1
-
-
-def _peak(static: Parts, stretches: list[tuple[str, Parts]], step: Parts) -> RankMemory:
+def _peak(static: Parts, stretches: list[tuple[str, Parts]], step: Parts,
+          points: list[tuple[int, int]] | None = None) -> RankMemory:
     """The device peak over the stretches and the step; host: the most the host parts
     ever sum to; ``combined``: the peak of both together (one memory, as on a CPU run)."""
-    candidates = [(phase, {**static, **parts}) for phase, parts in [*stretches, ("optimizer step", step)]]
-
-    def device(parts: Parts) -> int:
-        return sum(v for k, v in parts.items() if not k.startswith(HOST))
-
-    phase, parts = max(candidates, key=lambda c: device(c[1]))
-    return RankMemory(device=device(parts), host=max(sum(c[1].values()) - device(c[1]) for c in candidates),
-                      phase=phase, parts={k: v for k, v in parts.items() if v},
-                      combined=max(sum(c[1].values()) for c in candidates))
+    # Each candidate is ``{**static, **parts}``; its sums are taken from static's and
+    # the few keys ``parts`` adds or overrides, without building the merged dict (the
+    # budget solver asks for thousands of these on a deep model: issue #31's speed).
+    static_device = sum(v for k, v in static.items() if not k.startswith(HOST))
+    static_total = sum(static.values())
+    best = (-1, "", step)
+    host = combined = 0
+    for phase, parts in [*stretches, ("optimizer step", step)]:
+        device, total = static_device, static_total
+        for k, v in parts.items():
+            replaced = static.get(k, 0)
+            total += v - replaced
+            if not k.startswith(HOST):
+                device += v - replaced
+        host, combined = max(host, total - device), max(combined, total)
+        if points is not None:
+            points.append((device, parts.get("activations", 0)))
+        if device > best[0]:
+            best = (device, phase, parts)
+    device, phase, parts = best
+    merged = {**static, **parts}
+    return RankMemory(device=device, host=host, phase=phase, parts={k: v for k, v in merged.items() if v},
+                      combined=combined)
 
 
 def _ds_defaults(zero: dict[str, Any]) -> dict[str, Any]:

@@ -273,7 +273,8 @@ def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, pla
                     records: tuple[ParamRecord, ...] | None = None,
                     styles: dict[str, str] | None = None,
                     attention: AttentionShape | None = None,
-                    ds_zero: dict[str, Any] | None = None) -> RankMemory:
+                    ds_zero: dict[str, Any] | None = None,
+                    points: list[tuple[int, int]] | None = None) -> RankMemory:
     """`rank_memory` of ``strategy`` with the config annot writes for it, on ``trace``
     (the training step traced in ``strategy``'s precision setting, `_trace_setting`).
 
@@ -286,7 +287,8 @@ def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, pla
     ``trace`` is of the sequence one rank holds) shards over ``shard x cp`` and adds the
     other ranks' keys and values (``attention``, `annot.memory.context_parallel`).
     ``ds_zero``: a DeepSpeed strategy's ``zero_optimization`` section when it is the
-    user's (`annot.memory.user_config`) rather than the one annot writes.
+    user's (`annot.memory.user_config`) rather than the one annot writes. ``points``:
+    as for `rank_memory` (the terms added here come after it).
     """
     layout = strategy_layout(strategy, world)
     zero = None
@@ -308,7 +310,8 @@ def strategy_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, pla
     memory = rank_memory(strategy, trace, facts,
                          world=layout.shard * layout.cp if strategy.mesh else world,
                          precision=precision, optimizer=optimizer, ds_zero=zero,
-                         ddp_bucket_view=bool(strategy.option("gradient_as_bucket_view", True)))
+                         ddp_bucket_view=bool(strategy.option("gradient_as_bucket_view", True)),
+                         points=points)
     if layout.cp > 1:
         if attention is None:
             raise MemoryInputError(f"{strategy.label}: context parallelism needs the attention shape")

@@ -124,6 +124,33 @@ def test_with_every_block_kept_the_model_gives_the_traced_peak(tiny_solver, key)
     assert modelled == tiny_solver._memory(s, tiny_solver.setting(s).trace).device
 
 
+@pytest.fixture(scope="module")
+def every_engine_solver():
+    with torch.device("meta"):
+        model = GPT(**TINY)
+    return budget_solver(model, gpus=2, batch=2, seq=32, precision="bf16-mixed", device="H100", **EXACT)
+
+
+def test_the_engine_memory_of_every_stretch_equals_asking_stretch_by_stretch(every_engine_solver):
+    """`_engine_at` reads every stretch's engine memory from one evaluation; asking
+    the engine model once per stretch, with only that stretch's activations set to a
+    huge value, is the definition. Equal for every strategy (DDP and FSDP1 at world 1
+    price the whole step's peak, ZeRO-3 never its stretches' ends)."""
+    solver, big = every_engine_solver, 1 << 50
+    assert len(solver.strategies) >= 8
+    for s in solver.strategies:
+        trace = solver.setting(s).trace
+        at = solver._engine_at(s, trace, big)
+        assert len(at) == len(trace.segments)
+        for k in range(len(trace.segments)):
+            for which in (0, 1):
+                marked = tuple((ph, u, big if (j, 0) == (k, which) else 0, big if (j, 1) == (k, which) else 0)
+                               for j, (ph, u, _, _) in enumerate(trace.segments))
+                device = solver._memory(s, dataclasses.replace(
+                    trace, peak=big, peak_with_grads=big + trace.grads, segments=marked)).device
+                assert at[k][which] == (device - big if device >= big else None), (s.key, k, which)
+
+
 def test_larger_budgets_never_predict_a_slower_step_and_every_answer_fits(tiny_solver):
     smallest, _ = tiny_solver.smallest_budget()
     assert smallest is not None
