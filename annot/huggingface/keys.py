@@ -26,7 +26,9 @@ def peft_base_name(name: str, adapter: str) -> str:
     """The base model's name for a PEFT model's tensor name (a LoRA layer keeps the base
     weight as ``base_layer``; ``modules_to_save`` keeps a trained copy)."""
     name = name.removeprefix(PEFT_PREFIX)
-    return name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
+    while ".base_layer." in name:  # nested once per wrap: LoRA on two parameters of one
+        name = name.replace(".base_layer.", ".")  # module (`target_parameters`) wraps it twice
+    return name.replace(f".modules_to_save.{adapter}.", ".")
 
 
 def peft_renamer(model: Any) -> Callable[[str], str]:
@@ -37,7 +39,17 @@ def peft_renamer(model: Any) -> Callable[[str], str]:
 
     base = model.get_base_model()
     adapter = model.active_adapter
-    base_rename = checkpoint_renamer(base) if is_pretrained_model(base) else (lambda key: key)
+    base_rename: Callable[[str], str] = lambda key: key  # noqa: E731
+    if is_pretrained_model(base):
+        # The base model's own names, as its checkpoint has them: PEFT wraps what it
+        # adapts, and a parameter it adapts in place (`target_parameters`, e.g. fused
+        # MoE experts) moves under ``base_layer``. Matched against the wrapped names, a
+        # converted key found no target, was dropped as unexpected, and the experts kept
+        # their random initialization (strict=False) with no word said.
+        rules = key_rules(base)
+        rules = dataclasses.replace(rules, names=dict.fromkeys((peft_base_name(n, adapter) for n in rules.names), True),
+                                    resolved={})
+        base_rename = checkpoint_renamer(base, rules)
     to_peft = {peft_base_name(name, adapter): name for name in model.state_dict()
                if ".lora_" not in name and ".original_module." not in name}
 
