@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import sys
@@ -31,7 +32,10 @@ import torch
 
 __all__ = ["ALIGN", "CHUNK", "DIRECT_VARIABLE", "PositionedFile", "bytes_of", "start_writeback"]
 
-ALIGN = 4096  # a page: a multiple of every common disk's logical block size
+# A page (4 KiB, or 64 KiB on some aarch64 and ppc64le kernels): a multiple of every
+# common disk's logical block size, and the page cache's unit, so no page holds bytes of
+# both kinds of write.
+ALIGN = max(4096, mmap.PAGESIZE)
 CHUNK = 16 * 2**20  # bytes per O_DIRECT write; two such buffers per open file
 DIRECT_VARIABLE = "ANNOT_DIRECT_WRITES"  # "0": write through the page cache only
 
@@ -57,6 +61,7 @@ class PositionedFile:
         self._pending: list[Future[None] | None] = [None, None]
         self._turn = 0
         self._pool: ThreadPoolExecutor | None = None
+        self._error: BaseException | None = None  # the first failed write, raised again by close()
         try:
             if size is not None:
                 os.ftruncate(self.fd, size)  # a known length: no write extends the file
@@ -128,13 +133,20 @@ class PositionedFile:
     def _wait(self, turn: int) -> None:
         future, self._pending[turn] = self._pending[turn], None
         if future is not None:
-            future.result()
+            try:
+                future.result()
+            except BaseException as exc:
+                self._error = self._error or exc  # a later close() must not succeed
+                raise
 
     def close(self) -> None:
-        """Wait for every write, fsync (data and length on disk), close."""
+        """Wait for every write, fsync (data and length on disk), close. Raises the
+        first write that failed, even one already raised by `write_at`."""
         try:
             self._wait(self._turn ^ 1)
             self._wait(self._turn)
+            if self._error is not None:
+                raise self._error
             os.fsync(self.fd)
         finally:
             self.abort()
@@ -172,6 +184,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None

@@ -9,7 +9,6 @@ tensors are streamed one at a time: the writer never holds more than one tensor.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import json
 import math
@@ -76,8 +75,8 @@ class SafetensorsWriter:
     def create_empty(path: Path, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
                      metadata: dict[str, str] | None = None) -> None:
         """Write the header of ``entries`` to ``path`` and give the file its full length
-        (zeros, not stored where the filesystem allows): ranks then fill their ranges
-        with `RangeWriter`. Not fsynced: the commit fsyncs every file it moves in."""
+        (zeros, not stored where the filesystem allows), fsynced: ranks then fill their
+        ranges with `RangeWriter`, each fsyncing what it wrote."""
         raw, sizes, _ = _header(entries, metadata)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
@@ -85,6 +84,7 @@ class SafetensorsWriter:
             done = 0
             while done < len(raw):
                 done += os.pwrite(fd, raw[done:], done)
+            os.fsync(fd)  # the header is no rank's range: durable here, not by chance
         finally:
             os.close(fd)
 
@@ -213,7 +213,6 @@ def parse_header(raw: bytes, data_size: int) -> dict[str, TensorEntry]:
     return entries
 
 
-@functools.cache
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, as a writable view of its own memory."""
     return bytes_of(tensor).numpy().data.cast("B")

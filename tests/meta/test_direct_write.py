@@ -72,10 +72,38 @@ def _fill(path: Path, expected: bytes, writers: int, seed: int) -> list[Position
 @pytest.mark.parametrize("writers", [1, 2])
 def test_ranges_land_exactly_next_to_each_other(tmp_path, monkeypatch, writers):
     monkeypatch.setattr(direct_write, "CHUNK", 2 * ALIGN)  # many chunks: both buffers reused
+    real_open, real_pwrite, real_fsync = os.open, os.pwrite, os.fsync
+    direct_fds: set[int] = set()
+    pages: dict[str, set[int]] = {"direct": set(), "buffered": set()}
+    synced: list[int] = []
+
+    def recording_open(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def recording_pwrite(fd, data, offset):
+        n = real_pwrite(fd, data, offset)
+        kind = "direct" if fd in direct_fds else "buffered"
+        if kind == "direct":
+            assert offset % ALIGN == 0 and n % ALIGN == 0, (offset, n)
+        pages[kind].update(range(offset // ALIGN, -(-(offset + n) // ALIGN)))
+        return n
+
+    def recording_fsync(fd):
+        synced.append(fd)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    monkeypatch.setattr(os, "pwrite", recording_pwrite)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
     expected = os.urandom(40 * ALIGN + 123)
     path = tmp_path / "f.bin"
     files = _fill(path, expected, writers, seed=writers)
     assert path.read_bytes() == expected
+    assert len(synced) == writers  # one fsync per open file, at close
+    assert not pages["direct"] & pages["buffered"]  # no page written both ways
     if _supports_direct(tmp_path):
         assert sum(f.direct_bytes for f in files) > len(expected) // 2
         assert all(f.direct_bytes % ALIGN == 0 for f in files)
@@ -144,3 +172,25 @@ def test_a_failed_write_surfaces_at_close_and_closes_the_file(tmp_path, monkeypa
     with pytest.raises(OSError, match="disk full"):
         writer.close()
     assert writer.fd == -1 and writer.direct_fd == -1
+
+
+def test_a_write_that_failed_inside_write_at_still_fails_close(tmp_path, monkeypatch):
+    writer = PositionedFile(tmp_path / "d.bin", size=8 * ALIGN)
+    if not writer.direct:
+        writer.abort()
+        pytest.skip(f"{tmp_path} has no O_DIRECT: the worker thread is not used")
+    monkeypatch.setattr(direct_write, "CHUNK", ALIGN)
+    real_pwrite = os.pwrite
+
+    def first_fails(fd, data, offset):
+        if offset == 0:
+            raise OSError(errno.EIO, "bad block")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", first_fails)
+    # Three chunks: the third waits for the first's buffer and meets its failure.
+    with pytest.raises(OSError, match="bad block"):
+        writer.write_at(0, torch.zeros(8 * ALIGN, dtype=torch.uint8))
+    with pytest.raises(OSError, match="bad block"):
+        writer.close()  # the caller went on regardless: the file must not look whole
+    assert writer.fd == -1
