@@ -77,7 +77,8 @@ def flat_runs(tmp_path_factory) -> FlatRuns:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("ranks", [2, 4])
+# 4 ranks (on 2 cores, about 21 s) in the sweep lane: the default run keeps 2.
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.sweep)])
 @pytest.mark.parametrize("engine", FLAT_ENGINES)
 def test_allocated_unit_by_unit_equal_to_eager_and_trains(engine, ranks, flat_runs):
     if engine == "zero3":

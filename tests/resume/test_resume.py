@@ -201,6 +201,7 @@ def test_reshard_to_one_rank(root, saved):
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # 4 ranks on 2 cores, about 24 s; the default run reshards to one rank
 def test_reshard_to_four_ranks(root, saved):
     on_four = resume(root, saved, ON_FOUR, 4)
     for pair in ON_FOUR:
