@@ -77,16 +77,9 @@ class SafetensorsWriter:
         """Write the header of ``entries`` to ``path`` and give the file its full length
         (zeros, not stored where the filesystem allows), fsynced: ranks then fill their
         ranges with `RangeWriter`, each fsyncing what it wrote."""
-        raw, sizes, _ = _header(entries, metadata)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        try:
-            os.ftruncate(fd, len(raw) + sum(sizes.values()))
-            done = 0
-            while done < len(raw):
-                done += os.pwrite(fd, raw[done:], done)
-            os.fsync(fd)  # the header is no rank's range: durable here, not by chance
-        finally:
-            os.close(fd)
+        # A writer's constructor does exactly this; its file is closed (fsynced: the header
+        # is no rank's range, durable here, not by chance) before any tensor is written.
+        SafetensorsWriter(path, entries, metadata).file.close()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected = self.order[self.next]

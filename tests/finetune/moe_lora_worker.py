@@ -3,7 +3,7 @@
 Loads the fused-expert Qwen3-MoE at CHECKPOINT with LoRA on its experts through FSDP2
 (`tests.finetune.test_moe_lora.lora_on_experts`), trains it on this rank's rows of the
 shared batches, and has rank 0 save the mean losses and every trainable tensor, gathered
-whole, to OUT."""
+whole and under its one-process name (FSDP2 adds no wrapper), to OUT."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import annot
-from tests.finetune.test_moe_lora import SEED, bare_name, lora_on_experts, rows_of, train
+from tests.finetune.test_moe_lora import SEED, lora_on_experts, rows_of, train
 
 
 def main(checkpoint: str, out: str) -> None:
@@ -27,7 +27,7 @@ def main(checkpoint: str, out: str) -> None:
         total = torch.tensor(loss)
         dist.all_reduce(total)
         mean.append(float(total) / world)
-    trained = {bare_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+    trained = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
                for n, p in model.named_parameters() if p.requires_grad}
     if rank == 0:
         torch.save({"losses": mean, "trained": trained}, out)

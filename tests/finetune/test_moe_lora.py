@@ -51,10 +51,6 @@ def train(model: torch.nn.Module, rows: slice) -> list[float]:
     return losses
 
 
-def bare_name(name: str) -> str:
-    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny Qwen3-MoE as transformers 5 saves it (per-expert keys), and the same
