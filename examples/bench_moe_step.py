@@ -3,6 +3,7 @@ FSDP2, on the same CPU ranks, in one run (issue #29).
 
     python examples/bench_moe_step.py [--dir DIR] [--ranks 2] [--steps 30] [--batch 4]
                                       [--seq 256] [--experts 8] [--hidden 256] [--layers 4]
+                                      [--ep N]
 
 Saves a Qwen3-MoE of random fp32 weights with ``save_pretrained`` into DIR (a temporary
 directory unless given; reused when it already holds one), then launches N CPU ranks
@@ -17,6 +18,11 @@ directory unless given; reused when it already holds one), then launches N CPU r
   which recomputes each decoder layer in backward (activation checkpointing);
 - ``transformers, checkpointed``: transformers' FSDP2 copy with
   ``activation_checkpointing_enable()`` (every decoder layer), the same recomputation.
+
+With ``--ep N`` every way splits the experts over groups of N ranks (expert parallelism):
+annot with ``mesh=annot.ParallelDims(ep=N)``, transformers with
+``DistributedConfig(fsdp_size=ranks, ep_size=N)``; the table then also gives each copy's
+resident bytes per rank (its parameters' and AdamW states' local shards, counted).
 
 Each gets AdamW (lr 1e-4) and the same batch (random tokens, one batch per rank), runs
 three untimed steps, then all take turns, step by step, in a rotating order, for
@@ -72,15 +78,18 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
+    ep = {"ep_size": args.ep} if args.ep > 1 else {}
+    mesh = {"mesh": annot.ParallelDims(ep=args.ep)} if args.ep > 1 else {}
+
     def transformers_fsdp2() -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(
-            args.dir, dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=world))
+            args.dir, dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=world, **ep))
 
     models = {
-        "annot": annot.from_pretrained(args.dir, "fsdp2", checkpoint=False),
+        "annot": annot.from_pretrained(args.dir, "fsdp2", checkpoint=False, **mesh),
         "transformers": transformers_fsdp2(),
         "transformers, again": transformers_fsdp2(),
-        "annot, checkpointed": annot.from_pretrained(args.dir, "fsdp2"),
+        "annot, checkpointed": annot.from_pretrained(args.dir, "fsdp2", **mesh),
         "transformers, checkpointed": transformers_fsdp2(),
     }
     models["transformers, checkpointed"].activation_checkpointing_enable()
@@ -110,17 +119,37 @@ def worker(args: argparse.Namespace) -> None:
         for j in range(len(WAYS)):
             way = WAYS[(i + j) % len(WAYS)]
             times[way].append(step(way)[0])
+    resident = {way: _resident_bytes(models[way], optimizers[way]) for way in WAYS}
     if rank == 0:
         median = {way: statistics.median(t) for way, t in times.items()}
         rate = {way: args.batch * args.seq * world / m for way, m in median.items()}
         print(f"{'way':27s} {'median step':>12s} {'fastest-slowest':>16s} {'tokens/s':>9s} "
-              f"{'x transformers (same work)':>27s} {'first loss':>11s}")
+              f"{'x transformers (same work)':>27s} {'first loss':>11s} {'resident MiB/rank':>18s}")
         for way in WAYS:
             print(f"{way:27s} {median[way]:10.3f} s {min(times[way]):7.3f}-{max(times[way]):.3f} s "
-                  f"{rate[way]:9.0f} {rate[way] / rate[REFERENCE[way]]:27.3f} {first[way]:11.6f}")
+                  f"{rate[way]:9.0f} {rate[way] / rate[REFERENCE[way]]:27.3f} {first[way]:11.6f} "
+                  f"{resident[way] / 2**20:18.2f}")
         print(f"noise (transformers, again / transformers): "
               f"{rate['transformers, again'] / rate['transformers']:.3f}")
     dist.destroy_process_group()
+
+
+def _resident_bytes(model, optimizer) -> int:
+    """This rank's bytes of ``model``'s parameters and ``optimizer``'s states: each
+    tensor's local shard (a DTensor's ``to_local``), counted, the largest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    total = sum(local(p) for p in model.parameters())
+    total += sum(local(v) for state in optimizer.state.values() for v in state.values()
+                 if isinstance(v, torch.Tensor) and v.ndim > 0)
+    most = torch.tensor(total, dtype=torch.int64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most)
 
 
 def main() -> None:
@@ -133,16 +162,20 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--ep", type=int, default=1,
+                        help="split the experts over groups of EP ranks (expert parallelism; default 1: off)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
-    for name in ("ranks", "steps", "batch", "seq", "experts", "layers"):
+    for name in ("ranks", "steps", "batch", "seq", "experts", "layers", "ep"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
     if args.hidden < 16 or args.hidden % 4:
         parser.error("--hidden must be a multiple of 4, at least 16")
+    if args.ranks % args.ep or args.experts % args.ep:
+        parser.error("--ep must divide --ranks and --experts")
     with tempfile.TemporaryDirectory(prefix="annot-moe-step-") as tmp:
         directory = args.dir or Path(tmp)
         params = save_checkpoint(directory, args)
@@ -151,12 +184,12 @@ def main() -> None:
 
         print(f"Qwen3-MoE, {params / 1e6:.1f}M parameters ({args.experts} experts, top-2, "
               f"{args.layers} layers, hidden {args.hidden}), fp32, batch {args.batch} x seq {args.seq} "
-              f"per rank, {args.ranks} CPU ranks (gloo); torch {torch.__version__}, transformers "
+              f"per rank, {args.ranks} CPU ranks (gloo), expert parallel {args.ep}; torch {torch.__version__}, transformers "
               f"{transformers.__version__}", flush=True)
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
                    "--master_port", str(29500 + os.getpid() % 1000), __file__, "--worker",
                    "--dir", str(directory)] + [f"--{n}={getattr(args, n)}" for n in
-                                                ("steps", "batch", "seq", "experts", "hidden", "layers")]
+                                                ("steps", "batch", "seq", "experts", "hidden", "layers", "ep")]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         subprocess.run(command, check=True, env=env)
 

@@ -43,8 +43,9 @@ class ParallelDims:
     shard: int = -1
     cp: int = 1
     tp: int = 1
-    #: Expert parallelism (see the module docstring): asked for, and refused by every
-    #: engine today (`annot.engines.mesh.refuse_expert_parallel`).
+    #: Expert parallelism (see the module docstring): FSDP2's, on transformers MoE
+    #: models (`annot.engines.fsdp2_experts`); the other engines refuse it
+    #: (`annot.engines.mesh.refuse_expert_parallel`).
     ep: int = 1
 
     def __post_init__(self) -> None:
@@ -133,8 +134,8 @@ class ParallelDims:
             data += f", tensor parallel over {'the rest' if sizes['tp'] == -1 else sizes['tp']}"
         if self.ep != 1:
             # Said where the layout is shown (annot plan --parallel), not only when wrapping.
-            data += (f", each MoE layer's experts split over {self.ep} ranks (not available "
-                     "yet: every engine refuses ep > 1)")
+            data += (f", each MoE layer's experts split over {self.ep} ranks (FSDP2, "
+                     "transformers MoE models)")
         return data
 
     def __str__(self) -> str:

@@ -237,11 +237,20 @@ def test_plan_memory_json(capsys):
                        "--gpu-mem", "100KiB", "--host-mem", "1GiB")
     assert code == 0
     data = json.loads(out)
-    assert set(data) == {"plan", "memory"}
+    assert set(data) == {"plan", "memory", "notes"} and data["notes"] == []
     memory = data["memory"]
     assert memory["activations"]["saved"] > memory["activations"]["saved_checkpointed"] > 0
     assert {r["key"] for r in memory["rows"]} >= {"ddp", "zero2", "zero3", "fsdp2", "fsdp2-offload", "zero3-offload-opt"}
     assert memory["recommendation"] is None and memory["reason"].startswith("nothing fits")
+
+
+@pytest.mark.slow
+def test_plan_memory_says_expert_parallelism_is_not_priced(capsys):
+    code, out, _ = run(capsys, "plan", GPT, "--memory", "--gpus", "2", "--parallel", "ep=2",
+                       "--kwargs", '{"n_layer": 2}', "--batch", "1", "--seq", "16")
+    assert code == 0
+    assert "experts over ep 2" in out
+    assert "note: expert parallelism (ep=2) is not priced" in out.splitlines()[-1]
 
 
 def test_plan_memory_bad_size_is_one_line(capsys):

@@ -276,13 +276,27 @@ def _run_plan(args: argparse.Namespace) -> int:
     except Exception as exc:  # the model's own forward failed under fake tensors
         print(f"annot plan: error: {trace_failure(model, exc, args.precision)}", file=sys.stderr)
         return 2
+    notes = _unpriced(plan)
     if args.json:
-        print(json.dumps({"plan": plan.to_dict(), "memory": report.to_dict()}, indent=2))
+        print(json.dumps({"plan": plan.to_dict(), "memory": report.to_dict(), "notes": notes}, indent=2))
     else:
         print(plan.table(collapse=not args.full))
         print()
         print(report.table())
+        for note in notes:
+            print(f"note: {note}")
     return 0
+
+
+def _unpriced(plan) -> list[str]:
+    """What the Plan asks for that the memory rows do not price, said with the table."""
+    dims = plan.parallel
+    if dims is None or dims.ep == 1:
+        return []
+    return [f"expert parallelism (ep={dims.ep}) is not priced: each row shards the expert "
+            "stacks over the data-parallel ranks like any parameter. With ep a rank keeps the "
+            "same share of expert weights and states, gathers only its ep group's share of "
+            "each layer's experts, and sends its tokens' hidden states by all-to-all instead"]
 
 
 def _run_fit(args: argparse.Namespace, model, options, plan_of, gpu_mem, host_mem, reserve) -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -232,8 +233,12 @@ class Trainable:
 
     def _clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """The engine's clipping of unscaled gradients: torch's ``clip_grad_norm_`` takes
-        whole tensors (DDP) and DTensors (FSDP2, whose norms it reduces over the mesh)."""
-        return torch.nn.utils.clip_grad_norm_(trained_parameters(self.module), max_norm, norm_type)
+        whole tensors (DDP) and DTensors (FSDP2, whose norms it reduces over the mesh);
+        DTensors on several meshes (expert parallelism) go through `clip_across_meshes`."""
+        params = trained_parameters(self.module)
+        if len(_by_mesh(params)) > 1:
+            return clip_across_meshes(params, max_norm, norm_type)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def loss_scaler_state(self) -> dict[str, Any] | None:
         """The scaler's state and the skipped-step count as JSON data (``None`` without a
@@ -449,6 +454,35 @@ class Engine(Generic[OptionsT]):
         """The loss scaler these options need on ``device``: ``None`` unless the engine
         computes in fp16 (bf16 has fp32's exponent range and needs none)."""
         return None
+
+
+def _by_mesh(params: list[nn.Parameter]) -> dict[object, list[nn.Parameter]]:
+    """Those of ``params`` that have a gradient, grouped by the mesh of their DTensor
+    (``None``: plain tensors). torch's norm and clip refuse to mix meshes in one operation."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return groups
+
+
+def clip_across_meshes(params: list[nn.Parameter], max_norm: float, norm_type: float) -> torch.Tensor:
+    """Clip ``params``' gradients to total norm ``max_norm`` where they are DTensors on
+    different meshes (expert stacks on the expert mesh, the rest on the dense one):
+    each mesh's total norm is reduced over its own mesh (`full_tensor`), the norms are
+    combined as one norm of every element (``(sum n_g^p)^(1/p)``; the largest for
+    ``inf``), and each group is scaled by the same coefficient. Returns the total norm
+    as a plain tensor (the same value on every rank)."""
+    groups = _by_mesh(params)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    stacked = torch.stack([n.to(norms[0].device, torch.float32) for n in norms])
+    total = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    for group in groups.values():  # takes the parameters, and scales their .grad
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def trained_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -50,7 +50,14 @@ from annot.engines.base import (
     resolve_torch_offload,
 )
 from annot.engines.dtypes import refuse_fsdp2_dtypes
-from annot.engines.mesh import MeshLike, context_parallel_mesh, resolve_mesh, split_mesh
+from annot.engines.fsdp2_experts import ExpertLayout, check_expert_parallel, shard_experts
+from annot.engines.mesh import (
+    MeshLike,
+    context_parallel_mesh,
+    requested_dims,
+    resolve_mesh,
+    split_mesh,
+)
 from annot.engines.tensor_parallel import (
     TP_DIM,
     TensorParallelPlan,
@@ -155,13 +162,21 @@ class FSDP2(Engine[FSDP2Options]):
         self.tp_plan: TensorParallelPlan | None = None
         #: The context-parallel dimension (``None``: none, or one of a single rank).
         self.cp_mesh: DeviceMesh | None = None
+        #: Expert parallelism (``ParallelDims(ep=N)``; ``None``: experts are sharded like
+        #: any other parameter).
+        self.experts: ExpertLayout | None = None
 
     def check(self, model: nn.Module, request: WrapRequest, options: FSDP2Options) -> None:
         plan = request.plan
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
         refuse_fsdp2_dtypes(model, plan)
-        mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type, self.name)
+        mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type, self.name,
+                            expert_parallel=True)
+        dims = requested_dims(options.mesh, plan.parallel)
+        if dims is not None and mesh is not None:
+            self.experts = check_expert_parallel(model, dims, dist.get_world_size(),
+                                                 request.device.type)
         if mesh is not None:
             self.mesh, self.tp_mesh = split_mesh(mesh)
             if self.mesh.ndim == 2 and self.mesh.mesh_dim_names is None:
@@ -184,6 +199,8 @@ class FSDP2(Engine[FSDP2Options]):
         if self.tp_mesh is not None and self.tp_plan is not None:
             # before checkpointing and sharding (torchtitan's order)
             apply_tensor_parallel(model, self.tp_plan, self.tp_mesh)
+        if self.experts is not None:  # before checkpointing and sharding, as tensor parallelism
+            self.experts.apply(model)
         # The Plan's offload marks mean parameter offload here; activation offload is asked
         # for explicitly.
         checkpoint_and_offload_activations(model, request.plan, checkpoint_paths,
@@ -214,7 +231,7 @@ class FSDP2(Engine[FSDP2Options]):
             model, request.plan, offload=cast("bool | None", options.offload),
             mixed_precision=cast("MixedPrecisionPolicy | torch.dtype | None", options.mixed_precision),
             reshard_after_forward=options.reshard_after_forward, mesh=self.mesh,
-            device=request.device)
+            device=request.device, experts=self.experts)
 
     def state(self, trainable: Trainable) -> EngineState:
         """torch's distributed state-dict API, which gives the layout as it is."""
@@ -299,6 +316,7 @@ def apply_fsdp2(
     reshard_after_forward: bool,
     mesh: DeviceMesh | None,
     device: torch.device,
+    experts: ExpertLayout | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 following ``plan``; returns ``model``.
 
@@ -309,6 +327,9 @@ def apply_fsdp2(
     ``reshard_after_forward``: ``True`` frees gathered parameters after each unit's
     forward (ZeRO-3-like), ``False`` keeps them until backward (ZeRO-2-like). The root is
     left to FSDP2, which does not reshard it: backward needs it at once.
+    ``experts`` (expert parallelism): each experts module is sharded first, over the
+    ranks holding its experts (`annot.engines.fsdp2_experts`); a unit that is an experts
+    module is then already sharded.
     """
     # A "tp" dimension was applied in `FSDP2.prepare`; FSDP2 shards over the rest.
     mesh = split_mesh(mesh)[0] if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
@@ -316,8 +337,19 @@ def apply_fsdp2(
     # The mesh's last dimension is the one FSDP2 shards over (pitfall 25).
     pin = pin_offloaded_state(plan, offload, device, mesh.shape[-1])
 
+    if experts is not None:
+        def experts_offload(path: str) -> OffloadPolicy:  # as the unit holding them
+            holder = next((u for u in plan.units if u.has(Action.SHARD) and any(
+                path.startswith(m + ".") for m in u.modules)), None)
+            offloads = _unit_offloads(holder, offload) if holder is not None else bool(offload)
+            return _offload_policy(offloads, pin)
+
+        shard_experts(model, experts, reshard_after_forward=reshard_after_forward,
+                      mp_policy=mp_policy, offload_policy=experts_offload)
     for unit in plan.units:
         if not unit.has(Action.SHARD):
+            continue
+        if experts is not None and set(unit.modules) <= set(experts.plan.experts):
             continue
         modules = [model.get_submodule(path) for path in unit.modules]
         fully_shard(

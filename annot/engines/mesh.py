@@ -24,7 +24,8 @@ from annot.policies.parallel import DIM_NAMES, ParallelDims
 
 __all__ = [
     "SHARD_CP", "MeshLike", "build_mesh", "context_parallel_mesh", "data_parallel_mesh",
-    "refuse_context_parallel", "refuse_expert_parallel", "refuse_plan_dims", "resolve_mesh",
+    "refuse_context_parallel", "refuse_expert_parallel", "refuse_plan_dims", "requested_dims",
+    "resolve_mesh",
     "split_mesh",
 ]
 
@@ -43,17 +44,25 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
 
 
-def resolve_mesh(mesh: MeshLike | None, plan_dims: ParallelDims | None,
-                 device_type: str, engine: str) -> DeviceMesh | None:
-    """The mesh ``engine`` gets: ``mesh`` as given, a mesh built from `ParallelDims` (the
-    option's, else the Plan's), or ``None`` (the engine's default: every rank). Dims
-    given both ways must agree; building a mesh needs the process group (annot's error
-    says so before torch's would)."""
+def requested_dims(mesh: MeshLike | None, plan_dims: ParallelDims | None) -> ParallelDims | None:
+    """The `ParallelDims` asked for: the option's, else the Plan's (``None`` when a
+    `DeviceMesh` is given, or nothing). Dims given both ways must agree."""
     if isinstance(mesh, ParallelDims) and plan_dims is not None and mesh != plan_dims:
         raise ValueError(f"mesh={mesh} differs from the Plan's parallel dims {plan_dims}: "
                          "give them in one place")
-    dims = mesh if isinstance(mesh, ParallelDims) else plan_dims if mesh is None else None
-    refuse_expert_parallel(dims, engine)
+    return mesh if isinstance(mesh, ParallelDims) else plan_dims if mesh is None else None
+
+
+def resolve_mesh(mesh: MeshLike | None, plan_dims: ParallelDims | None,
+                 device_type: str, engine: str, *, expert_parallel: bool = False) -> DeviceMesh | None:
+    """The mesh ``engine`` gets: ``mesh`` as given, a mesh built from `ParallelDims` (the
+    option's, else the Plan's: `requested_dims`), or ``None`` (the engine's default:
+    every rank). Building a mesh needs the process group (annot's error says so before
+    torch's would). ``ep`` above 1 is refused unless the engine splits experts
+    (``expert_parallel``: FSDP2, whose experts mesh is its own, `annot.engines.fsdp2_experts`)."""
+    dims = requested_dims(mesh, plan_dims)
+    if not expert_parallel:
+        refuse_expert_parallel(dims, engine)
     if dims is not None:
         require_process_group(engine)
         return build_mesh(dims, device_type)
@@ -63,16 +72,14 @@ def resolve_mesh(mesh: MeshLike | None, plan_dims: ParallelDims | None,
 
 
 def refuse_expert_parallel(dims: ParallelDims | None, engine: str) -> None:
-    """Expert parallelism (``ParallelDims(ep=N)``, N > 1) is refused by every engine, before
-    the model changes: annot does not split experts across ranks yet. Ignoring the ask
-    would train correctly but keep every expert's shard on every data-parallel rank, which
-    is not what the user sized their run for; a half-built split (experts divided, tokens
-    not exchanged, or expert gradients reduced over the wrong ranks) would train wrongly
-    without a word."""
+    """Expert parallelism (``ParallelDims(ep=N)``, N > 1) is FSDP2's: every other engine
+    refuses it before the model changes. Ignoring the ask would train correctly but keep
+    every expert's shard on every data-parallel rank, which is not what the user sized
+    their run for."""
     if dims is not None and dims.ep != 1:
         raise ValueError(
-            f"{dims}: expert parallelism (ep={dims.ep}) is not available in annot yet, for engine "
-            f"{engine!r} or any other. Drop ep= (ParallelDims(ep=1)): FSDP2 and ZeRO-3 then shard "
+            f"{dims}: expert parallelism (ep={dims.ep}) is not available on engine {engine!r}: "
+            "use engine='fsdp2', or drop ep= (ParallelDims(ep=1)): every engine then shards "
             "each MoE layer's fused expert stacks over the data-parallel ranks like any other "
             "parameter (the Plan's 'moe:' lines list them)")
 

@@ -66,11 +66,11 @@ def build(name: str) -> torch.nn.Module:
     return getattr(transformers, model_class)(config).train()
 
 
-def batches() -> list[torch.Tensor]:
-    """Token ids per step: ``WORLD_SIZE * ROWS_PER_RANK`` rows, rank r's are rows
+def batches(world: int = WORLD_SIZE) -> list[torch.Tensor]:
+    """Token ids per step: ``world * ROWS_PER_RANK`` rows, rank r's are rows
     ``r*ROWS_PER_RANK:(r+1)*ROWS_PER_RANK``."""
     gen = torch.Generator().manual_seed(1)
-    return [torch.randint(1, VOCAB, (WORLD_SIZE * ROWS_PER_RANK, SEQ), generator=gen)
+    return [torch.randint(1, VOCAB, (world * ROWS_PER_RANK, SEQ), generator=gen)
             for _ in range(STEPS)]
 
 
@@ -83,16 +83,16 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 
 
 @functools.cache  # several scenarios of one model share it; callers only read it
-def reference(name: str, clip: bool = False) -> dict[str, list]:
+def reference(name: str, clip: bool = False, world: int = WORLD_SIZE) -> dict[str, list]:
     """The plain model in one process: at each step the mean of the per-rank losses, its
     gradient (every parameter, by name; clipped to `CLIP_NORM` with ``clip``, and the norm
     before clipping recorded), then an SGD step."""
     model = build(name)
     optimizer = make_optimizer(model.parameters())
     losses, grads, norms = [], [], []
-    for ids in batches():
+    for ids in batches(world):
         per_rank = [model(input_ids=rank_rows(ids, r), labels=rank_rows(ids, r)).loss
-                    for r in range(WORLD_SIZE)]
+                    for r in range(world)]
         loss = torch.stack(per_rank).mean()
         loss.backward()
         if clip:

@@ -171,17 +171,24 @@ def _assert_equal_to_transformers(run: dict, what: str) -> None:
 
 @pytest.mark.distributed
 def test_fsdp2_from_pretrained_equals_transformers(moe_dirs, tmp_path):
-    """All four models in one 2-rank launch: parameters bitwise equal to transformers'
-    ``from_pretrained``, fused experts split across ranks, loss within 1e-5 relative and
-    every gradient within 1e-4 of the single-process model."""
-    results = _launch([("fsdp2", name) for name in MOE_MODELS], moe_dirs, tmp_path / "results.pt")
-    for name in MOE_MODELS:
-        run = results[f"fsdp2:{name}"]
-        _assert_equal_to_transformers(run, name)
-        assert any(n.startswith(LAYER) for n in run["sharded"]), name
-        assert run["grads"].keys() == run["plain_grads"].keys(), name
+    """All four models in one 2-rank launch, without and with expert parallelism
+    (``ParallelDims(ep=2)``: 2 of the 4 experts per rank): parameters bitwise equal to
+    transformers' ``from_pretrained``, fused experts split across ranks, loss within 1e-5
+    relative and every gradient within 1e-4 of the single-process model; with experts
+    split, `annot.save`'s output loads in transformers bitwise equal."""
+    runs = [(engine, name) for engine in ("fsdp2", "fsdp2-ep") for name in MOE_MODELS]
+    results = _launch(runs, moe_dirs, tmp_path / "results.pt")
+    for engine, name in runs:
+        run, what = results[f"{engine}:{name}"], f"{engine}: {name}"
+        _assert_equal_to_transformers(run, what)
+        assert any(n.startswith(LAYER) for n in run["sharded"]), what
+        assert run["grads"].keys() == run["plain_grads"].keys(), what
         for n, grad in run["plain_grads"].items():
-            torch.testing.assert_close(run["grads"][n], grad, rtol=0, atol=GRAD_ATOL, msg=f"{name}: {n}")
+            torch.testing.assert_close(run["grads"][n], grad, rtol=0, atol=GRAD_ATOL, msg=f"{what}: {n}")
+        split = set(run["local_experts"].values())
+        assert split == ({2} if engine == "fsdp2-ep" else {4}), what  # 4 experts, 2 per rank with ep=2
+        if engine == "fsdp2-ep":  # annot.save's output: transformers loads the same weights
+            assert [n for n in run["plain_state"] if not torch.equal(run["saved_state"][n], run["plain_state"][n])] == []
 
 
 @pytest.mark.sweep

@@ -1,0 +1,127 @@
+"""Expert parallelism for transformers mixture-of-experts models.
+
+Each MoE layer's fused expert stacks (``gate_up_proj``, ``down_proj``, their biases: one
+row per expert) are split by expert over the ranks of an expert-parallel group, and each
+token goes to the ranks that hold its chosen experts and comes back. annot writes none of
+this: the split and the token exchange are transformers' own expert-parallel styles,
+applied from the model's own ``ep_plan`` (its config's ``base_model_ep_plan``):
+``grouped_gemm`` makes each stack a DTensor sharded on dim 0 over the group and sets the
+module's ``num_experts`` to its local count; ``ep_dispatch_experts`` replaces the experts
+module's forward with transformers' ``AllToAllEP`` (sort the (token, expert) pairs by
+expert, one all-to-all out, the local experts, one all-to-all back, weights applied by
+the sender), whose backward is autograd's. The router, shared experts and attention stay
+dense; the load-balancing loss is computed from the router logits before dispatch, as
+without expert parallelism.
+
+`resolve_expert_plan` reads and checks the plan before anything changes;
+`apply_expert_parallel` applies it. What shards the local experts over the remaining
+data-parallel ranks, and how their gradients are averaged, is the FSDP2 engine's
+(`annot.engines.expert_parallel`).
+
+transformers is imported inside the functions: ``import annot`` stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from annot.huggingface.model import is_peft_model, is_pretrained_model
+
+__all__ = ["ExpertParallelPlan", "apply_expert_parallel", "resolve_expert_plan"]
+
+#: The styles of an ``ep_plan`` annot applies: the stacks split by expert, and the
+#: experts module reached through the token exchange.
+PARAM_STYLE = "grouped_gemm"
+DISPATCH_STYLE = "ep_dispatch_experts"
+#: transformers' token exchange for training (``AutoEP`` would pick the same one for any
+#: call with gradients; naming it keeps evaluation on the same path).
+IMPLEMENTATION = "all_to_all"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelPlan:
+    """A model's expert-parallel plan, expanded to its modules.
+
+    ``experts``: path of each experts module -> its expert count (the rows of each of
+    its stacks); ``stacks``: path of each stacked parameter split by expert. Every
+    stack's module is one of ``experts``."""
+
+    experts: dict[str, int]
+    stacks: tuple[str, ...]
+
+    def styles(self) -> dict[str, str]:
+        """The plan in transformers' form (path -> style), stacks before their module."""
+        return {**dict.fromkeys(self.stacks, PARAM_STYLE),
+                **dict.fromkeys(self.experts, DISPATCH_STYLE)}
+
+
+def resolve_expert_plan(model: nn.Module, ep: int) -> ExpertParallelPlan:
+    """``model``'s expert-parallel plan for ``ep`` ranks, checked before anything changes.
+
+    Raises ``ValueError`` naming the reason when the model is not a transformers model
+    with an ``ep_plan`` (a PEFT wrapper is refused too: its adapters would see the
+    experts split under them), when the plan uses a style annot does not apply, or when
+    an experts module's expert count does not divide by ``ep``."""
+    if is_peft_model(model):
+        raise ValueError(
+            f"expert parallelism (ep={ep}) on a PEFT model is not available: the adapters "
+            "would wrap expert stacks split under them. Train the adapters with ep=1 (FSDP2 "
+            "shards the fused experts over the data-parallel ranks)")
+    if not is_pretrained_model(model):
+        raise ValueError(
+            f"expert parallelism (ep={ep}) needs a transformers mixture-of-experts model, whose "
+            f"ep_plan says which modules hold experts; {type(model).__name__} is not one. Use "
+            "ep=1 (FSDP2 shards expert weights like any other parameter)")
+    rules = dict(getattr(model, "ep_plan", None) or {})
+    if not rules:
+        raise ValueError(
+            f"expert parallelism (ep={ep}): {type(model).__name__} has no ep_plan (its config's "
+            "base_model_ep_plan), so which modules hold experts is unknown. Use ep=1, or set "
+            "model.ep_plan = {'layers.*.mlp.experts': 'ep_dispatch_experts', "
+            "'layers.*.mlp.experts.gate_up_proj': 'grouped_gemm', ...}")
+    expanded: dict[str, str] = model._expand_parallel_plan(rules)
+    unknown = sorted({s for s in expanded.values() if s not in (PARAM_STYLE, DISPATCH_STYLE)})
+    if unknown:
+        raise ValueError(
+            f"expert parallelism (ep={ep}): {type(model).__name__}'s ep_plan uses "
+            f"{', '.join(map(repr, unknown))}; annot applies only {PARAM_STYLE!r} (stacks split "
+            f"by expert) and {DISPATCH_STYLE!r} (tokens sent to their experts' ranks). Use ep=1")
+    experts = {path: _expert_count(model, path) for path, s in expanded.items() if s == DISPATCH_STYLE}
+    stacks = tuple(path for path, s in expanded.items() if s == PARAM_STYLE)
+    if not experts:
+        raise ValueError(f"expert parallelism (ep={ep}): {type(model).__name__}'s ep_plan matches "
+                         "no experts module of this model. Use ep=1")
+    problems = [f"{path} has {n} experts" for path, n in experts.items() if n % ep]
+    orphans = [p for p in stacks if p.rpartition(".")[0] not in experts]
+    if orphans:
+        problems.append(f"stacks {orphans[:3]} lie outside every experts module")
+    if problems:
+        raise ValueError(f"expert parallelism (ep={ep}) cannot split {type(model).__name__}: "
+                         f"{'; '.join(dict.fromkeys(problems))}. Choose an ep that divides the "
+                         "expert count")
+    return ExpertParallelPlan(experts=experts, stacks=stacks)
+
+
+def _expert_count(model: nn.Module, path: str) -> int:
+    """Rows of the experts module's stacks: its ``num_experts`` (the global count)."""
+    module = model.get_submodule(path)
+    count = getattr(module, "num_experts", None)
+    if not isinstance(count, int):
+        raise ValueError(f"expert parallelism: {path} ({type(module).__name__}) has no integer "
+                         "num_experts to split")
+    return count
+
+
+def apply_expert_parallel(model: nn.Module, plan: ExpertParallelPlan, ep_mesh: DeviceMesh,
+                          tp_mesh: DeviceMesh) -> None:
+    """Split ``plan``'s stacks by expert over ``ep_mesh`` and route the experts modules'
+    tokens over it, in place (transformers' ``apply_expert_parallelism``). ``tp_mesh`` is
+    the group of ranks that hold the same batch (one rank without tensor parallelism).
+    Works on the meta device (no data moves: each rank keeps its slice of what it holds)."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    apply_expert_parallelism(model, ep_mesh, tp_mesh, plan.styles(), ep_implementation=IMPLEMENTATION)
+
