@@ -40,7 +40,14 @@ from annot.checkpoint_io.safetensors_file import SafetensorsFile
 from annot.errors import CheckpointError
 from annot.huggingface.conversions import Conversions, plan_conversions, read_flat
 from annot.huggingface.conversions import read_into as read_converted_into
-from annot.huggingface.keys import KeyRules, checkpoint_renamer, key_rules, peft_renamer
+from annot.huggingface.keys import (
+    KeyRules,
+    checkpoint_renamer,
+    key_rules,
+    peft_key_rules,
+    peft_names,
+    peft_renamer,
+)
 from annot.huggingface.model import is_peft_model, is_pretrained_model
 from annot.meta.deferred import deferred_init_of
 from annot.meta.layout import WHOLE, Block, FlatPart, ShardLayout, dtensor_block, local
@@ -212,10 +219,15 @@ def _converted(model: nn.Module, rules: KeyRules | None,
     where = {key: file for file, handle in files.items() for key in handle.keys()}
     sources = {key: (files[file].shape(key), files[file].dtype(key)) for key, file in where.items()}
     cached = _CONVERSIONS.get(rules)
+    peft = is_peft_model(model)
     if cached is None or cached[0] != sources:  # one `from_pretrained` matches up to 3 times
-        cached = sources, plan_conversions(model, rules, sources)
+        cached = sources, plan_conversions(model.get_base_model() if peft else model, rules, sources)
         _CONVERSIONS[rules] = cached
     conversions = cached[1]
+    if peft:  # planned on the base model's names (under PEFT, `base_layer` is in them)
+        to_peft = peft_names(model)
+        conversions = Conversions({to_peft.get(n, n): node for n, node in conversions.targets.items()},
+                                  conversions.consumed)
     return conversions, {key: where[key] for key in conversions.consumed}
 
 
@@ -403,7 +415,10 @@ def _key_renamer(model: nn.Module) -> tuple[Callable[[str], str] | None, KeyRule
     ``from_pretrained`` matches keys up to three times (strict check, shape check, load)."""
     if model not in _RENAMERS:
         if is_peft_model(model):
-            _RENAMERS[model] = peft_renamer(model), None
+            # The base model's rules over its own names: the converters' targets are base
+            # names, put onto the PEFT model's in `_converted`.
+            rules_and_names = peft_key_rules(model)
+            _RENAMERS[model] = peft_renamer(model, rules_and_names), rules_and_names[0]
         elif is_pretrained_model(model):
             rules = key_rules(model)
             _RENAMERS[model] = checkpoint_renamer(model, rules), rules

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-__all__ = ["KeyRules", "checkpoint_renamer", "key_rules", "peft_base_name", "peft_renamer"]
+__all__ = ["KeyRules", "checkpoint_renamer", "key_rules", "peft_base_name", "peft_key_rules", "peft_names", "peft_renamer"]
 
 # PeftModel -> LoraModel -> the transformers model: the prefix of every base name.
 PEFT_PREFIX = "base_model.model."
@@ -31,33 +31,52 @@ def peft_base_name(name: str, adapter: str) -> str:
     return name.replace(f".modules_to_save.{adapter}.", ".")
 
 
-def peft_renamer(model: Any) -> Callable[[str], str]:
-    """``rename(checkpoint_key) -> model_key`` for a PEFT model loading its base model's
-    checkpoint: transformers' renaming for the base model, then the base name to the PEFT
-    name. Adapter tensors are in no base checkpoint: they keep their initialization."""
+def peft_key_rules(model: Any) -> tuple[KeyRules | None, dict[str, str]]:
+    """For a PEFT model loading its base model's checkpoint: transformers' rules for the
+    base model over the base model's own names (``None`` when the base is not a
+    transformers model), and each base name -> the PEFT model's name for it (adapter
+    tensors, in no base checkpoint, are left out).
+
+    The base model's own names, as its checkpoint has them: PEFT wraps what it adapts,
+    and a parameter it adapts in place (`target_parameters`, e.g. fused MoE experts)
+    moves under ``base_layer``. Matched against the wrapped names, a converted key found
+    no target, was dropped as unexpected, and the experts kept their random
+    initialization (strict=False) with no word said (docs/design.md, pitfall 52)."""
     from annot.huggingface.model import is_pretrained_model
 
     base = model.get_base_model()
     adapter = model.active_adapter
-    base_rename: Callable[[str], str] = lambda key: key  # noqa: E731
+    rules = None
     if is_pretrained_model(base):
-        # The base model's own names, as its checkpoint has them: PEFT wraps what it
-        # adapts, and a parameter it adapts in place (`target_parameters`, e.g. fused
-        # MoE experts) moves under ``base_layer``. Matched against the wrapped names, a
-        # converted key found no target, was dropped as unexpected, and the experts kept
-        # their random initialization (strict=False) with no word said.
         rules = key_rules(base)
         rules = dataclasses.replace(rules, names=dict.fromkeys((peft_base_name(n, adapter) for n in rules.names), True),
                                     resolved={})
-        base_rename = checkpoint_renamer(base, rules)
-    to_peft = {peft_base_name(name, adapter): name for name in model.state_dict()
-               if ".lora_" not in name and ".original_module." not in name}
+    return rules, peft_names(model)
+
+
+def peft_names(model: Any) -> dict[str, str]:
+    """Base model name -> the PEFT model's name, for every tensor of the base model
+    (adapters and PEFT's kept originals left out)."""
+    adapter = model.active_adapter
+    return {peft_base_name(name, adapter): name for name in model.state_dict()
+            if ".lora_" not in name and ".original_module." not in name}
+
+
+def peft_renamer(model: Any, rules_and_names: tuple[KeyRules | None, dict[str, str]] | None = None
+                 ) -> Callable[[str], str]:
+    """``rename(checkpoint_key) -> model_key`` for a PEFT model loading its base model's
+    checkpoint: transformers' renaming for the base model, then the base name to the PEFT
+    name (``rules_and_names``: `peft_key_rules`'s, or built here). Adapter tensors are in
+    no base checkpoint: they keep their initialization."""
+    rules, to_peft = rules_and_names if rules_and_names is not None else peft_key_rules(model)
+    base_rename: Callable[[str], str] = lambda key: key  # noqa: E731
+    if rules is not None:
+        base_rename = checkpoint_renamer(model.get_base_model(), rules)
 
     def rename(key: str) -> str:
         return to_peft.get(base_rename(key), key)
 
     return rename
-
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -1,8 +1,9 @@
 """LoRA on fused mixture-of-experts weights (PEFT's ``target_parameters``) through
-`annot.from_pretrained`: a transformers-5 checkpoint (one key per expert, fused on load)
-is refused by name in both strict modes, never loaded with the experts left at their
-initialization; the same weights saved fused by `annot.save` load bitwise as PEFT over
-transformers loads them, and FSDP2 on 2 ranks trains the adapters like one process."""
+`annot.from_pretrained`: a transformers-5 checkpoint (one key per expert, fused on load
+through transformers' converters onto PEFT's wrapped names) and the same weights saved
+fused by `annot.save` load bitwise as PEFT over transformers loads them, never with the
+experts left at their initialization, and FSDP2 on 2 ranks trains the adapters like one
+process."""
 
 from __future__ import annotations
 
@@ -66,17 +67,13 @@ def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
     return root / "per-expert", root / "fused"
 
 
-@pytest.mark.parametrize("strict", [True, False])
-def test_per_expert_checkpoint_is_refused_by_name_in_both_strict_modes(checkpoints, strict):
-    # Before: strict=True named the per-expert keys "unexpected" and advised strict=False,
-    # which loaded with the fused experts left at their random initialization.
-    with pytest.raises(annot.CheckpointError, match=r"experts\.0\..*not through a PEFT model yet"):
-        annot.from_pretrained(checkpoints[0], engine=None, peft_config=lora_on_experts(), strict=strict)
-
-
-def test_fused_checkpoint_loads_and_steps_as_peft_over_transformers(checkpoints):
+@pytest.mark.parametrize("which", ["per-expert", "fused"])
+def test_checkpoint_loads_and_steps_as_peft_over_transformers(checkpoints, which):
+    # Before: a per-expert checkpoint was refused by name; earlier still, strict=False
+    # loaded it with the fused experts left at their random initialization.
     torch.manual_seed(SEED)
-    loaded = annot.from_pretrained(checkpoints[1], engine=None, peft_config=lora_on_experts(), strict=True)
+    path = checkpoints[0] if which == "per-expert" else checkpoints[1]
+    loaded = annot.from_pretrained(path, engine=None, peft_config=lora_on_experts(), strict=True)
     torch.manual_seed(SEED)
     reference = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(checkpoints[0]),
                                     lora_on_experts())
@@ -92,8 +89,10 @@ def test_fused_checkpoint_loads_and_steps_as_peft_over_transformers(checkpoints)
 
 @pytest.mark.distributed
 def test_fsdp2_on_two_ranks_trains_the_expert_adapters_like_one_process(checkpoints, tmp_path):
+    """From the per-expert checkpoint (transformers' own format: each rank reads its
+    experts' keys into the wrapped stacks)."""
     out = tmp_path / "result.pt"
-    torchrun(WORKER, str(checkpoints[1]), str(out))
+    torchrun(WORKER, str(checkpoints[0]), str(out))
     result = torch.load(out, weights_only=False)
     torch.manual_seed(SEED)
     model = annot.from_pretrained(checkpoints[1], engine=None, peft_config=lora_on_experts())
