@@ -196,6 +196,18 @@ def _fake_like(t: torch.Tensor, dtype: torch.dtype | None, *, is_param: bool) ->
 
 
 @dataclasses.dataclass(frozen=True)
+class SegmentCounts:
+    """What `trace_step` counted over one stretch of `StepTrace.segments`: the most live
+    bytes with the parameters' gradients (``top_all``; the stretch's share of
+    ``peak_with_grads``), and the gradients' bytes and the FLOPs since the step began
+    when the stretch ends."""
+
+    top_all: int
+    grads: int
+    flops: int
+
+
+@dataclasses.dataclass(frozen=True)
 class StepTrace:
     """Live bytes of one traced forward and backward of the bare model (its parameters
     not counted), at the peak: ``peak`` without the parameters' gradients (an engine that
@@ -232,6 +244,7 @@ def trace_step(
     inputs: InputsFn | None = None,
     prepare: Callable[[nn.Module], None] | None = None,
     gpu_rules: bool = False,
+    counts: list[SegmentCounts] | None = None,
 ) -> StepTrace:
     """Trace forward, loss and backward of ``model`` under ``FakeTensorMode`` and count live
     bytes with `annot.memory.counting.LiveBytes`: activations, the transients of
@@ -242,7 +255,9 @@ def trace_step(
     with ``gpu_rules`` under CUDA autocast's op lists (`annot.memory.gpu_autocast`).
     Only the loss is kept from the output (what a training step holds in backward).
     ``prepare`` installs the run-time tools on the traced copy instead of the Plan's
-    checkpointing (`annot.memory.budget` traces its per-unit choices so)."""
+    checkpointing (`annot.memory.budget` traces its per-unit choices so). ``counts``,
+    when given, receives one `SegmentCounts` per stretch of the returned ``segments``
+    (`annot.memory.representative` rebuilds a whole step from a cut one with them)."""
     from annot.memory.counting import FlopCount, LiveBytes
     from annot.runtime.activation_checkpoint import apply_checkpointing, torch_checkpoint
 
@@ -269,12 +284,20 @@ def trace_step(
                 unit_of.setdefault(id(p), index)
     state: dict[str, Any] = {"phase": "forward", "unit": -1}
     segments: list[list[Any]] = [["forward", -1, 0, 0]]
+    # Per stretch: [top with gradients, gradients at its end, FLOPs at its end].
+    tallies: list[list[int]] = [[0, 0, 0]]
+    flop_counter = FlopCount()
+
+    def close() -> None:
+        tallies[-1][1:] = [peaks["grads"], flop_counter.total]
 
     def at(phase: str, unit: int) -> None:
         state["phase"], state["unit"] = phase, unit
         if segments[-1][:2] != [phase, unit]:
+            close()
             act = counter.current - peaks["grads"]
             segments.append([phase, unit, act, act])
+            tallies.append([counter.current, 0, 0])
 
     def on_change(current: int) -> None:
         act = current - peaks["grads"]
@@ -282,6 +305,7 @@ def trace_step(
         peaks["act"] = max(peaks["act"], act)
         segments[-1][2] = max(segments[-1][2], act)
         segments[-1][3] = act
+        tallies[-1][0] = max(tallies[-1][0], current)
 
     counter = LiveBytes(on_change)
     handles = []
@@ -308,7 +332,6 @@ def trace_step(
             handles.append(model.get_submodule(path).register_forward_hook(post))
     modes = {m: m.training for m in model.modules()}
     model.train()
-    flop_counter = FlopCount()
     try:
         with fake_mode, counter, flop_counter, _traceable():
             args, kwargs = (inputs or default_inputs)(model, batch, seq)
@@ -323,11 +346,14 @@ def trace_step(
             at("backward", -1)
             loss.backward()
             del loss
+        close()
     finally:
         for handle in handles:
             handle.remove()
         for module, training in modes.items():
             module.training = training
+    if counts is not None:
+        counts.extend(SegmentCounts(*t) for t in tallies)
     return StepTrace(batch=batch, seq=seq, checkpoint=bool(paths), peak=peaks["act"],
                      peak_with_grads=peaks["all"], grads=peaks["grads"],
                      segments=tuple((ph, u, top, end) for ph, u, top, end in segments),

@@ -17,7 +17,9 @@ shortest predicted step wins (ties: the order of
 `annot.memory.strategies.STRATEGIES`, simplest first).
 
 The answer is then traced as it will run (its Plan's checkpointing, selective contexts
-and offload under ``FakeTensorMode``), and ``peak_bytes`` is that traced figure; where
+and offload under ``FakeTensorMode``; from a model cut to a few blocks of each run of one
+choice, `annot.memory.representative.fast_trace_step`), and ``peak_bytes`` is that
+traced figure; where
 it exceeds what the per-block model said, the choice is made again with the
 difference taken off the budget. The solver's feasible set only grows with the budget,
 but that re-solve does not: at a large budget the first answer can be far over and the
@@ -290,8 +292,10 @@ class BudgetSolver:
     choices: tuple[str, ...]
     inputs: InputsFn | None = None
     #: Trace a representative few blocks of the longest stack of identical blocks and
-    #: grow them (`annot.memory.representative`) wherever every block is alike: the
-    #: plain step, the block profiles, and answers with one choice for every block.
+    #: grow them (`annot.memory.representative`): the plain step, the block profiles,
+    #: and the answers (one choice for every block: cut to 2 and 3 blocks; mixed
+    #: choices: each run of one choice cut to at most 5 blocks, traced whole where the
+    #: cut cannot stand for the rest).
     fast_trace: bool = True
     #: The attention's shape, for context-parallel strategies (``None``: none weighed).
     attention: AttentionShape | None = None
@@ -488,20 +492,24 @@ class BudgetSolver:
         return dataclasses.replace(self.plan, units=tuple(units), policy=f"{self.plan.policy} + budget")
 
     def trace_plan(self, s: Strategy, plan: Plan) -> StepTrace:
-        """The training step of ``plan`` traced as it runs (`trace_step`), activation
-        offload as memory leaving the device."""
+        """The training step of ``plan`` traced as it runs (`trace_step`; with
+        `fast_trace`, `fast_trace_step`), activation offload as memory leaving the
+        device."""
         dtype, autocast = _trace_setting(s, self.precision)
         checkpointed = plan.paths(Action.CHECKPOINT)
         offloaded = [u.path for u in plan.units if u.offload_activations]
 
         def prepare(copy: nn.Module) -> None:
-            # A cut copy (`fast_trace_step`) lacks the blocks cut away.
+            # A cut copy (`fast_trace_step`) lacks the blocks cut away; what each kept
+            # block gets follows from its own unit, as `fast_trace_step` requires.
             apply_plan_checkpointing(copy, plan, [p for p in checkpointed if _has(copy, p)], torch_checkpoint)
             for path in offloaded:
                 if _has(copy, path):
                     _traced_offload(copy.get_submodule(path))
 
-        trace = fast_trace_step if self.fast_trace and _alike(plan, self.model) else trace_step
+        # Blocks with different choices are traced from a cut model too (`fast_trace_step`
+        # lays out each block's increments; it traces whole where they do not repeat).
+        trace = fast_trace_step if self.fast_trace else trace_step
         return trace(self.model, plan, batch=self.batch, seq=self.seq_of(s),
                      checkpoint=bool(checkpointed),
                      dtype=dtype, autocast=autocast, inputs=self.inputs, prepare=prepare)
@@ -680,19 +688,6 @@ def _has(model: nn.Module, path: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def _alike(plan: Plan, model: nn.Module) -> bool:
-    """Whether every block of ``model``'s `block_stack` has the same choice in ``plan``
-    (what `fast_trace_step`'s growing assumes; mixed choices are traced whole)."""
-    stack = block_stack(model, plan)
-    if stack is None:
-        return False
-    units = {u.path: u for u in plan.units}
-    members = [units.get(stack.path(i)) for i in range(stack.count)]
-    kinds = {(u.has(Action.CHECKPOINT), u.checkpoint_policy, u.offload_activations) if u is not None else None
-             for u in members}
-    return len(kinds) == 1 and None not in kinds
 
 
 def _least(block: BlockProfile, allowed: list[str]) -> str:

@@ -16,18 +16,39 @@ further block:
 - a block's own interior (`ActivationEstimate.per_unit`) is the traced one of its
   position: the first, a middle one, the last.
 
+That holds where every block of the stack carries the same Plan unit (`_kind`: class,
+sizes, and, where the trace applies them, checkpoint, selective policy and offload). A step
+whose blocks differ (the budget's answers mix choices: some blocks ``none``, some
+``selective``, ...) is traced from one cut model instead (`_mixed_trace_step`), issue #31:
+
+- the stack is read as runs of blocks of one kind; a run of at least `LONG_RUN` blocks
+  keeps its first two, its third and its last two blocks, a shorter run every block, so
+  every block kept has the neighbours it has in the whole model;
+- a block cut away stands inside its run, two blocks or more from either end, like
+  the run's third block in the cut model; what it adds to each stretch it runs in (live
+  bytes, the most live bytes with gradients, gradients, FLOPs: each relative to where
+  the stretch before it ended) is the third block's. The whole step is every block's
+  increments laid out in the whole model's order and summed (a block's backward stretch
+  also holds the recomputation of the block below it, which is why neighbours are kept);
+- that a block's increments do not depend on blocks further away is checked, not
+  assumed: the second, third and next-to-last blocks of each long run (the second's
+  neighbour two below and the next-to-last's two above are another run's) must add
+  exactly the same, else the whole model is traced.
+
 Everything else falls back to tracing the whole model: no stack of at least
 `MIN_BLOCKS` identical units, a unit inside a block, stretches that do not repeat
-(the cut traces' patterns differ), or a model whose forward fails with fewer blocks
-(one that indexes its blocks by a configured count). tests/memory/test_representative.py
-checks every figure against the full trace on small models (equal within 0.1%).
+(the cut traces' patterns differ), a model whose forward fails with fewer blocks
+(one that indexes its blocks by a configured count), and, for mixed steps, no run long
+enough to cut or a config listing per-block types that differ (`_positional`).
+tests/memory/test_representative.py and test_representative_mixed.py check every
+figure against the full trace on small models (equal within 0.1%).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -36,17 +57,23 @@ from torch import nn
 from annot.memory.activations import (
     ActivationEstimate,
     InputsFn,
+    SegmentCounts,
     StepTrace,
     trace_activations,
     trace_step,
 )
 from annot.policies import Action, Plan
+from annot.policies.plan import Unit
 
-__all__ = ["MIN_BLOCKS", "BlockStack", "block_stack", "cut_model", "fast_trace_activations", "fast_trace_step"]
+__all__ = ["LONG_RUN", "MIN_BLOCKS", "BlockStack", "block_stack", "cut_model", "fast_trace_activations",
+           "fast_trace_step"]
 
 #: Stacks shorter than this are traced whole (cutting saves nothing).
 MIN_BLOCKS = 12
 _CUTS = (2, 3)
+#: Runs of blocks of one kind at least this long are cut to 5 blocks in a mixed step
+#: (first two, third, last two); shorter ones are kept whole.
+LONG_RUN = 6
 
 Segment = tuple[str, int, int, int]
 
@@ -94,11 +121,21 @@ def block_stack(model: nn.Module, plan: Plan | None) -> BlockStack | None:
 def _cut(model: nn.Module, plan: Plan, stack: BlockStack, keep: int) -> Iterator[Plan]:
     """``model`` with only the first ``keep`` blocks of ``stack`` (restored after), and
     ``plan`` without the units of the blocks cut away."""
+    with _kept(model, plan, stack, range(keep)) as small:
+        yield small
+
+
+@contextlib.contextmanager
+def _kept(model: nn.Module, plan: Plan, stack: BlockStack, keep: Iterable[int]) -> Iterator[Plan]:
+    """``model`` with only the blocks ``keep`` of ``stack``, in order and under their
+    own names (so the Plan's paths still find them; restored after), and ``plan``
+    without the units of the blocks cut away."""
     holder = model.get_submodule(stack.parent)
     original = dict(holder._modules)
-    dropped = {stack.path(i) for i in range(keep, stack.count)}
+    kept = {str(i) for i in keep}
+    dropped = {stack.path(i) for i in range(stack.count) if str(i) not in kept}
     units = tuple(u for u in plan.units if u.path not in dropped)
-    holder._modules = {k: v for k, v in original.items() if int(k) < keep}
+    holder._modules = {k: v for k, v in original.items() if k in kept}
     try:
         yield dataclasses.replace(plan, units=units)
     finally:
@@ -119,7 +156,10 @@ def fast_trace_activations(model: nn.Module, plan: Plan | None, *, batch: int, s
                            inputs: InputsFn | None = None) -> ActivationEstimate:
     """`trace_activations`, from two cut traces when ``model`` has a `block_stack`."""
     stack = block_stack(model, plan)
-    if stack is None or plan is None:
+    if (stack is None or plan is None or len(_block_runs(plan, stack, applied=True)) != 1
+            or _positional(model, stack)):
+        # Blocks checkpointed differently, or described one by one in the config: the
+        # cut blocks would not stand for the rest.
         return trace_activations(model, plan, batch=batch, seq=seq, dtype=dtype, inputs=inputs)
     try:
         cut = []
@@ -148,14 +188,22 @@ def fast_trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int
                     dtype: torch.dtype | None = None, autocast: torch.dtype | None = None,
                     inputs: InputsFn | None = None, gpu_rules: bool = False,
                     prepare: Callable[[nn.Module], None] | None = None) -> StepTrace:
-    """`trace_step`, from two cut traces when ``model`` has a `block_stack` whose
-    stretches repeat. ``prepare`` (`trace_step`'s) sees each cut copy: it must skip the
-    paths of blocks cut away and treat every block alike."""
+    """`trace_step`, from cut traces when ``model`` has a `block_stack` whose stretches
+    repeat: two (2 and 3 blocks) where every block's unit is alike, one
+    (`_mixed_trace_step`) where runs of blocks differ. ``prepare`` (`trace_step`'s) sees
+    each cut copy: it must skip the paths of blocks cut away, and what it installs on a
+    block must follow from that block's unit in ``plan`` alone (so blocks of one kind
+    are alike)."""
     kwargs: dict[str, Any] = dict(batch=batch, seq=seq, checkpoint=checkpoint, dtype=dtype,
                                   autocast=autocast, inputs=inputs, gpu_rules=gpu_rules,
                                   prepare=prepare)
     stack = block_stack(model, plan)
     if stack is None or plan is None:
+        return trace_step(model, plan, **kwargs)
+    runs = _block_runs(plan, stack, applied=checkpoint or prepare is not None)
+    if len(runs) > 1:
+        return _mixed_trace_step(model, plan, stack, runs, kwargs)
+    if _positional(model, stack):  # the cut's blocks would read other blocks' entries
         return trace_step(model, plan, **kwargs)
     traces, index_maps = [], []
     try:
@@ -263,7 +311,7 @@ def _grow_segments(two: tuple[Segment, ...], three: tuple[Segment, ...],
     return tuple(out)
 
 
-def _shape(segment: tuple[str, Any, int, int]) -> tuple[str, Any]:
+def _shape(segment: tuple[Any, ...]) -> tuple[str, Any]:
     """A stretch's phase and who runs, any block standing for every block."""
     phase, who = segment[:2]
     return phase, "block" if who is not None and who[0] == "block" else who
@@ -275,11 +323,16 @@ class _NoRepeat(Exception):
 
 def _runs(segments: tuple[Segment, ...], mapping: dict[int, tuple[str, int | str]],
           ) -> list[tuple[list[Any], list[tuple[Any, list[Any]]], list[Any]]] | None:
-    """Per phase (forward, backward): the stretches before the stack, each block's
-    stretches (its own, then those up to the next block) by block number, and the
-    stretches after the last block. ``None`` when a phase visits a block twice or the
-    two phases do not split so."""
-    labelled = [(p, mapping.get(u) if u >= 0 else None, t, e) for p, u, t, e in segments]
+    """`_split` of ``segments``, each labelled by who runs (`_block_of_index`)."""
+    return _split([(p, mapping.get(u) if u >= 0 else None, t, e) for p, u, t, e in segments])
+
+
+def _split(labelled: list[tuple[Any, ...]],
+           ) -> list[tuple[list[Any], list[tuple[Any, list[Any]]], list[Any]]] | None:
+    """Per phase (forward, backward) of stretches labelled ``(phase, who, ...)``: the
+    stretches before the stack, each block's stretches (its own, then those up to the
+    next block) by block number, and the stretches after the last block. ``None`` when
+    a phase visits a block twice or the two phases do not split so."""
     # The first backward stretch starts backward (recomputation runs inside it).
     split = next((i for i, s in enumerate(labelled) if s[0] == "backward"), None)
     if split is None:
@@ -287,7 +340,7 @@ def _runs(segments: tuple[Segment, ...], mapping: dict[int, tuple[str, int | str
     out: list[tuple[list[Any], list[tuple[Any, list[Any]]], list[Any]]] = []
     for part in (labelled[:split], labelled[split:]):
         starts = [i for i, s in enumerate(part) if isinstance(s[1], tuple) and s[1][0] == "block"]
-        numbers = [part[i][1][1] for i in starts]  # type: ignore[index]
+        numbers = [part[i][1][1] for i in starts]
         if len(set(numbers)) != len(numbers):
             return None
         if not starts:
@@ -304,3 +357,165 @@ def _runs(segments: tuple[Segment, ...], mapping: dict[int, tuple[str, int | str
         tail = part[starts[-1] + 1:]
         out.append((head, blocks, tail))
     return out
+
+
+# -- steps whose blocks differ ---------------------------------------------------------
+
+#: One block's unit as a trace sees it (`_kind`).
+Kind = tuple[Any, ...]
+#: A stretch of a cut trace, labelled and relative to where the one before it ended:
+#: (phase, who, top, end, top with gradients, gradients added, FLOPs added); ``who`` is
+#: ``None`` (outside every shard unit), ("block", i) or ("other", path).
+_Delta = tuple[str, Any, int, int, int, int, int]
+
+
+def _kind(unit: Unit | None, applied: bool) -> Kind | None:
+    """What a trace of block ``unit`` depends on beside its path: its class, sizes,
+    trainable count and actions; its checkpoint and offload choice only where the trace
+    applies them (``applied``: `trace_step`'s ``checkpoint`` or ``prepare``)."""
+    if unit is None:
+        return None
+    actions = tuple(a for a in unit.actions if applied or a not in (Action.CHECKPOINT, Action.OFFLOAD))
+    choice = (unit.checkpoint_policy, unit.offload_activations, unit.offload_to) if applied else ()
+    return (unit.cls, unit.params, tuple(sorted(unit.bytes.items())), unit.trainable, bool(unit.group),
+            actions, *choice)
+
+
+def _block_runs(plan: Plan, stack: BlockStack, *, applied: bool) -> list[tuple[int, int]]:
+    """The stack's blocks as runs ``(start, stop)`` of one `_kind` each, in order."""
+    units = {u.path: u for u in plan.units}
+    kinds = [_kind(units.get(stack.path(i)), applied) for i in range(stack.count)]
+    runs: list[tuple[int, int]] = []
+    for i, kind in enumerate(kinds):
+        if runs and kinds[runs[-1][0]] == kind:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _sources(runs: list[tuple[int, int]]) -> list[int]:
+    """For each block of the whole stack, the block of the cut model that stands for it:
+    itself where kept, else the third block of its run (module docstring)."""
+    source: list[int] = []
+    for start, stop in runs:
+        for i in range(start, stop):
+            inside = stop - start >= LONG_RUN and start + 2 < i < stop - 2
+            source.append(start + 2 if inside else i)
+    return source
+
+
+def _witnesses(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Per long run, the blocks whose increments must agree for its cut to stand: the
+    second (its neighbour two below is another run's, or none), the third (the one the
+    blocks cut away copy) and the next to last (its neighbour two above is another
+    run's, or none)."""
+    return [(start + 1, start + 2, stop - 2) for start, stop in runs if stop - start >= LONG_RUN]
+
+
+def _mixed_trace_step(model: nn.Module, plan: Plan, stack: BlockStack, runs: list[tuple[int, int]],
+                      kwargs: dict[str, Any]) -> StepTrace:
+    """`trace_step` of a step whose blocks differ, from one trace of the stack cut to the
+    blocks `_sources` keeps (module docstring); traced whole where that cut keeps every
+    block, the model's forward fails without the blocks cut away, or the cut trace's
+    stretches do not follow the pattern (`_rebuild`)."""
+    source = _sources(runs)
+    kept = sorted(set(source))
+    if len(kept) == stack.count or _positional(model, stack):
+        return trace_step(model, plan, **kwargs)
+    counts: list[SegmentCounts] = []
+    try:
+        with _kept(model, plan, stack, kept) as small_plan:
+            cut = trace_step(model, small_plan, **kwargs, counts=counts)
+            mapping = _block_of_index(small_plan, stack)
+    except Exception:  # the model needs all its blocks: trace it whole
+        return trace_step(model, plan, **kwargs)
+    rebuilt = _rebuild(cut, counts, mapping, source, _witnesses(runs), _full_index(plan, stack))
+    return rebuilt if rebuilt is not None else trace_step(model, plan, **kwargs)
+
+
+def _positional(model: nn.Module, stack: BlockStack) -> bool:
+    """Whether ``model``'s config describes its blocks one by one and not all alike (a
+    ``layer_types`` of sliding and full attention, say). A forward may read such a list
+    by a block's place in the loop (``config.layer_types[i]``), and a kept block of the
+    cut model is not at its place in the whole model, so it would read another block's
+    entry."""
+    config = getattr(model, "config", None)
+    values = vars(config).values() if config is not None and hasattr(config, "__dict__") else ()
+    return any(isinstance(v, (list, tuple)) and len(v) == stack.count and len({repr(x) for x in v}) > 1
+               for v in values)
+
+
+def _deltas(trace: StepTrace, counts: list[SegmentCounts],
+            mapping: dict[int, tuple[str, int | str]]) -> list[_Delta] | None:
+    """``trace``'s stretches as `_Delta`s, or ``None`` when its counts do not add up to
+    its totals (then the rebuild's sums would not either)."""
+    if len(counts) != len(trace.segments) or not counts:
+        return None
+    out: list[_Delta] = []
+    end = grads = flops = 0
+    for (phase, unit, top, stop), c in zip(trace.segments, counts, strict=True):
+        who = mapping.get(unit) if unit >= 0 else None
+        out.append((phase, who, top - end, stop - end, c.top_all - end - grads, c.grads - grads, c.flops - flops))
+        end, grads, flops = stop, c.grads, c.flops
+    consistent = (max(s[2] for s in trace.segments) == trace.peak
+                  and max(c.top_all for c in counts) == trace.peak_with_grads
+                  and (grads, flops) == (trace.grads, trace.flops))
+    return out if consistent else None
+
+
+def _rebuild(cut: StepTrace, counts: list[SegmentCounts], mapping: dict[int, tuple[str, int | str]],
+             source: list[int], witnesses: list[tuple[int, int, int]],
+             full: dict[tuple[str, int | str], int]) -> StepTrace | None:
+    """The whole step from the cut trace ``cut`` (module docstring): every block's
+    stretches are those of its ``source`` block, summed in the whole model's order.
+    ``None`` when the cut's stretches do not split per block, visit the kept blocks out
+    of order, or the ``witnesses`` of a run add different amounts."""
+    deltas = _deltas(cut, counts, mapping)
+    parts = _split(deltas) if deltas is not None else None
+    if parts is None:
+        return None
+    (f_head, f_blocks, f_tail), (b_head, b_blocks, b_tail) = parts
+    kept = sorted(set(source))
+    if [n for n, _ in f_blocks] != kept or [n for n, _ in b_blocks] != kept[::-1]:
+        return None
+    forward, backward = dict(f_blocks), dict(b_blocks)
+    for blocks in (forward, backward):
+        for trio in witnesses:
+            if len({tuple(_relative(blocks[i])) for i in trio}) != 1:
+                return None
+    n = len(source)
+    laid_out = [*f_head, *(_as_block(s, k) for k in range(n) for s in forward[source[k]]), *f_tail,
+                *b_head, *(_as_block(s, k) for k in reversed(range(n)) for s in backward[source[k]]), *b_tail]
+    try:
+        return _summed(laid_out, cut, full)
+    except KeyError:  # a stretch of a unit the whole Plan lacks
+        return None
+
+
+def _relative(segments: list[_Delta]) -> list[tuple[Any, ...]]:
+    """Stretches compared across blocks: who runs (any block standing for every block)
+    and what each adds."""
+    return [(*_shape(s), *s[2:]) for s in segments]
+
+
+def _as_block(segment: _Delta, block: int) -> _Delta:
+    """``segment`` as block ``block``'s (stretches of other units left as they are)."""
+    phase, who, *rest = segment
+    if who is not None and who[0] == "block":
+        who = ("block", block)
+    return (phase, who, *rest)
+
+
+def _summed(laid_out: list[_Delta], cut: StepTrace, full: dict[tuple[str, int | str], int]) -> StepTrace:
+    """The `StepTrace` whose stretches add ``laid_out``'s increments in order (the
+    inverse of `_deltas`, on the whole Plan's unit indices)."""
+    segments: list[Segment] = []
+    end = grads = flops = peak_with_grads = 0
+    for phase, who, top, stop, top_all, added_grads, added_flops in laid_out:
+        peak_with_grads = max(peak_with_grads, end + grads + top_all)
+        segments.append((phase, full[who] if who is not None else -1, end + top, end + stop))
+        end, grads, flops = end + stop, grads + added_grads, flops + added_flops
+    return StepTrace(batch=cut.batch, seq=cut.seq, checkpoint=cut.checkpoint,
+                     peak=max(s[2] for s in segments), peak_with_grads=peak_with_grads, grads=grads,
+                     segments=tuple(segments), flops=flops)
