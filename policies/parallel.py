@@ -10,8 +10,9 @@ names are also the dimension names of the device mesh the engines build from it
 (`annot.engines.mesh`). ``ep`` (expert parallelism: each MoE layer's experts split over
 ``ep`` ranks, tokens sent to their experts' ranks) spans no ranks of its own: it splits
 the ranks of the data-parallel dimensions (torchtitan borrows it from dp_shard the same
-way), so it takes no part in the product; it must divide ``replicate x shard``. Pure
-data: no torch, so the Plan can carry it.
+way), so it takes no part in the product; it must divide ``replicate x shard`` (FSDP2,
+which splits experts, asks that it divide ``shard``: each replica splits them alike).
+Pure data: no torch, so the Plan can carry it.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import math
 import os
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -192,7 +192,7 @@ def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
     # this model class); transformers' renaming rules take about 0.4-0.7 s to build.
     as_is = all(key in names for handle in files.values() for key in handle.keys())
     rename, rules = (None, None) if as_is else _key_renamer(layout.bare_model(model))
-    converted, converted_files = _converted(layout.bare_model(model), rules, files)
+    converted, converted_files = _converted(layout.bare_model(model), rules, files, names)
     available: dict[str, Path] = {}
     file_key: dict[str, str] = {}
     for file, handle in files.items():
@@ -210,10 +210,11 @@ def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
                   converted_files)
 
 
-def _converted(model: nn.Module, rules: KeyRules | None,
-               files: dict[Path, SafetensorsFile]) -> tuple[Conversions, dict[str, Path]]:
+def _converted(model: nn.Module, rules: KeyRules | None, files: dict[Path, SafetensorsFile],
+               names: Iterable[str]) -> tuple[Conversions, dict[str, Path]]:
     """The model tensors transformers' converters build from the files' keys, planned
-    from the headers (nothing is read), and the file of each key they use."""
+    from the headers (nothing is read), and the file of each key they use. ``names``:
+    the model's state names (`state_names`), onto which a PEFT model's targets go."""
     if rules is None or not rules.converters:
         return Conversions(), {}
     where = {key: file for file, handle in files.items() for key in handle.keys()}
@@ -225,7 +226,7 @@ def _converted(model: nn.Module, rules: KeyRules | None,
         _CONVERSIONS[rules] = cached
     conversions = cached[1]
     if peft:  # planned on the base model's names (under PEFT, `base_layer` is in them)
-        to_peft = peft_names(model)
+        to_peft = peft_names(model, names)
         conversions = Conversions({to_peft.get(n, n): node for n, node in conversions.targets.items()},
                                   conversions.consumed)
     return conversions, {key: where[key] for key in conversions.consumed}

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from annot.checkpoint_io.entries import Entry
 from annot.checkpoint_io.safetensors_file import RangeWriter, SafetensorsWriter
@@ -75,8 +76,11 @@ def owned_pieces(entry: Entry, rank: int) -> list[tuple[int, torch.Tensor]] | No
         return [(0, tensor.detach())] if rank == 0 else []
     placements = tensor.placements
 
-    if not all(type(p) is Shard or isinstance(p, Replicate) for p in placements):
-        return None  # partial sums, strided shards: the gather resolves them
+    if not all(type(p) is Shard or isinstance(p, (Replicate, _StridedShard)) for p in placements):
+        return None  # partial sums: the gather resolves them
+    # Strided shards (FSDP2 over expert- or tensor-parallel rows) pass where this rank's
+    # part is still one run of whole rows (`dtensor_block` raises otherwise): expert
+    # stacks, the largest tensors of an MoE, are then never gathered whole.
     try:
         block = dtensor_block(tensor)
     except ValueError:

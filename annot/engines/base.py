@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -470,16 +469,17 @@ def clip_across_meshes(params: list[nn.Parameter], max_norm: float, norm_type: f
     """Clip ``params``' gradients to total norm ``max_norm`` where they are DTensors on
     different meshes (expert stacks on the expert mesh, the rest on the dense one):
     each mesh's total norm is reduced over its own mesh (`full_tensor`), the norms are
-    combined as one norm of every element (``(sum n_g^p)^(1/p)``; the largest for
-    ``inf``), and each group is scaled by the same coefficient. Returns the total norm
+    combined as one norm of every element (the ``norm_type`` norm of the per-mesh norms),
+    and each group is scaled by the same coefficient. Returns the total norm
     as a plain tensor (the same value on every rank)."""
     groups = _by_mesh(params)
     norms = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    stacked = torch.stack([n.to(norms[0].device, torch.float32) for n in norms])
-    total = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    # The p-norm of the per-mesh p-norms is the p-norm of every element (inf, -inf, 0 too).
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device, torch.float32) for n in norms]),
+                                     norm_type)
     for group in groups.values():  # takes the parameters, and scales their .grad
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

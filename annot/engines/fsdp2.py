@@ -175,8 +175,10 @@ class FSDP2(Engine[FSDP2Options]):
                             expert_parallel=True)
         dims = requested_dims(options.mesh, plan.parallel)
         if dims is not None and mesh is not None:
-            self.experts = check_expert_parallel(model, dims, dist.get_world_size(),
-                                                 request.device.type)
+            self.experts = check_expert_parallel(
+                model, dims, dist.get_world_size(), request.device.type,
+                mixed_precision_policy(cast("MixedPrecisionPolicy | torch.dtype | None",
+                                            options.mixed_precision)))
         if mesh is not None:
             self.mesh, self.tp_mesh = split_mesh(mesh)
             if self.mesh.ndim == 2 and self.mesh.mesh_dim_names is None:
@@ -338,9 +340,11 @@ def apply_fsdp2(
     pin = pin_offloaded_state(plan, offload, device, mesh.shape[-1])
 
     if experts is not None:
-        def experts_offload(path: str) -> OffloadPolicy:  # as the unit holding them
-            holder = next((u for u in plan.units if u.has(Action.SHARD) and any(
-                path.startswith(m + ".") for m in u.modules)), None)
+        def experts_offload(path: str) -> OffloadPolicy:
+            # As the innermost shard unit that is or holds the experts module.
+            holders = [(len(m), u) for u in plan.units if u.has(Action.SHARD) for m in u.modules
+                       if path == m or path.startswith(m + ".")]
+            holder = max(holders, key=lambda h: h[0])[1] if holders else None
             offloads = _unit_offloads(holder, offload) if holder is not None else bool(offload)
             return _offload_policy(offloads, pin)
 

@@ -78,12 +78,13 @@ class ExpertLayout:
 
 
 def check_expert_parallel(model: nn.Module, dims: ParallelDims, world: int,
-                          device_type: str) -> ExpertLayout | None:
+                          device_type: str, mp_policy: MixedPrecisionPolicy) -> ExpertLayout | None:
     """The `ExpertLayout` for ``dims`` on ``world`` ranks, or ``None`` when ``dims.ep`` is
     1. Refuses, before the model changes, what FSDP2 cannot do with experts split:
     ``ep`` beside tensor or context parallelism, an ``ep`` that does not divide the
     ``shard`` size, a model without an expert-parallel plan or whose expert counts
-    ``ep`` does not divide. Builds the expert mesh (a collective: every rank calls it)."""
+    ``ep`` does not divide, gradients ``mp_policy`` would divide twice. Builds the
+    expert mesh (a collective: every rank calls it)."""
     if dims.ep == 1:
         return None
     dims = dims.resolve(world)
@@ -98,6 +99,9 @@ def check_expert_parallel(model: nn.Module, dims: ParallelDims, world: int,
             "consecutive ranks splits the experts, and the groups shard their copies over "
             "the rest")
     plan = resolve_expert_plan(model, dims.ep)
+    for path in plan.experts:  # one copy per expert's rows: FSDP2 divides in place
+        _refuse_double_division(path, model.get_submodule(path), mp_policy,
+                                sharded=dims.shard // dims.ep > 1)
     sizes = (dims.replicate, dims.shard // dims.ep, dims.ep, 1)
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=EXPERT_DIMS)
     return ExpertLayout(plan=plan, mesh=mesh, data_parallel=dims.replicate * dims.shard)
@@ -114,7 +118,6 @@ def shard_experts(model: nn.Module, layout: ExpertLayout, *, reshard_after_forwa
     sharded = copies.size() > 1 if copies.ndim == 1 else copies["efsdp"].size() > 1
     for path in layout.plan.experts:
         module = model.get_submodule(path)
-        _refuse_double_division(path, module, mp_policy, sharded)
         fully_shard(module, mesh=copies, reshard_after_forward=reshard_after_forward,
                     mp_policy=mp_policy, offload_policy=offload_policy(path))
         fsdp = cast(FSDPModule, module)  # fully_shard made it one
@@ -124,7 +127,7 @@ def shard_experts(model: nn.Module, layout: ExpertLayout, *, reshard_after_forwa
 
 
 def _refuse_double_division(path: str, module: nn.Module, mp_policy: MixedPrecisionPolicy,
-                            sharded: bool) -> None:
+                            *, sharded: bool) -> None:
     """torch 2.13's FSDP2 divides an unsharded (one-copy) group's gradient by the factor
     and again by its pre/post factors when the reduction dtype risks overflow (fp16):
     refused rather than trained with gradients divided twice."""

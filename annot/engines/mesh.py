@@ -50,6 +50,11 @@ def requested_dims(mesh: MeshLike | None, plan_dims: ParallelDims | None) -> Par
     if isinstance(mesh, ParallelDims) and plan_dims is not None and mesh != plan_dims:
         raise ValueError(f"mesh={mesh} differs from the Plan's parallel dims {plan_dims}: "
                          "give them in one place")
+    if isinstance(mesh, DeviceMesh) and plan_dims is not None and plan_dims.ep != 1:
+        # A mesh says nothing of experts: the Plan's ep would be dropped without a word.
+        raise ValueError(f"the Plan's parallel dims {plan_dims} ask for expert parallelism "
+                         f"(ep={plan_dims.ep}), which a DeviceMesh cannot carry: pass "
+                         "mesh=annot.ParallelDims(...) instead of the mesh")
     return mesh if isinstance(mesh, ParallelDims) else plan_dims if mesh is None else None
 
 

@@ -16,7 +16,7 @@ without expert parallelism.
 `resolve_expert_plan` reads and checks the plan before anything changes;
 `apply_expert_parallel` applies it. What shards the local experts over the remaining
 data-parallel ranks, and how their gradients are averaged, is the FSDP2 engine's
-(`annot.engines.expert_parallel`).
+(`annot.engines.fsdp2_experts`).
 
 transformers is imported inside the functions: ``import annot`` stays light.
 """
@@ -89,12 +89,15 @@ def resolve_expert_plan(model: nn.Module, ep: int) -> ExpertParallelPlan:
             f"expert parallelism (ep={ep}): {type(model).__name__}'s ep_plan uses "
             f"{', '.join(map(repr, unknown))}; annot applies only {PARAM_STYLE!r} (stacks split "
             f"by expert) and {DISPATCH_STYLE!r} (tokens sent to their experts' ranks). Use ep=1")
-    experts = {path: _expert_count(model, path) for path, s in expanded.items() if s == DISPATCH_STYLE}
+    modules = dict(model.named_modules())
+    experts = {path: _expert_count(model, path) for path, s in expanded.items()
+               if s == DISPATCH_STYLE and path in modules}
     stacks = tuple(path for path, s in expanded.items() if s == PARAM_STYLE)
     if not experts:
         raise ValueError(f"expert parallelism (ep={ep}): {type(model).__name__}'s ep_plan matches "
                          "no experts module of this model. Use ep=1")
     problems = [f"{path} has {n} experts" for path, n in experts.items() if n % ep]
+    problems += _coverage_problems(model, experts, stacks)
     orphans = [p for p in stacks if p.rpartition(".")[0] not in experts]
     if orphans:
         problems.append(f"stacks {orphans[:3]} lie outside every experts module")
@@ -103,6 +106,23 @@ def resolve_expert_plan(model: nn.Module, ep: int) -> ExpertParallelPlan:
                          f"{'; '.join(dict.fromkeys(problems))}. Choose an ep that divides the "
                          "expert count")
     return ExpertParallelPlan(experts=experts, stacks=stacks)
+
+
+def _coverage_problems(model: nn.Module, experts: dict[str, int], stacks: tuple[str, ...]) -> list[str]:
+    """Every parameter of an experts module must be a stack of one row per expert: one
+    the plan leaves out would be sharded over the copies only and drift apart across
+    the ep ranks (each trains it on other tokens), silently."""
+    problems, split = [], set(stacks)
+    for path, count in experts.items():
+        for name, param in model.get_submodule(path).named_parameters():
+            full = f"{path}.{name}"
+            if full not in split:
+                problems.append(f"{full} is in an experts module but not split by expert (no "
+                                f"{PARAM_STYLE!r} rule)")
+            elif param.ndim == 0 or param.shape[0] != count:
+                problems.append(f"{full} has {param.shape[0] if param.ndim else 0} rows, not one "
+                                f"per expert ({count})")
+    return problems
 
 
 def _expert_count(model: nn.Module, path: str) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
@@ -54,11 +54,12 @@ def peft_key_rules(model: Any) -> tuple[KeyRules | None, dict[str, str]]:
     return rules, peft_names(model)
 
 
-def peft_names(model: Any) -> dict[str, str]:
+def peft_names(model: Any, names: Iterable[str] | None = None) -> dict[str, str]:
     """Base model name -> the PEFT model's name, for every tensor of the base model
-    (adapters and PEFT's kept originals left out)."""
+    (adapters and PEFT's kept originals left out). ``names``: the PEFT model's state
+    names when the caller has them (else its ``state_dict``'s keys)."""
     adapter = model.active_adapter
-    return {peft_base_name(name, adapter): name for name in model.state_dict()
+    return {peft_base_name(name, adapter): name for name in (model.state_dict() if names is None else names)
             if ".lora_" not in name and ".original_module." not in name}
 
 
@@ -136,9 +137,10 @@ def checkpoint_renamer(model: nn.Module, rules: KeyRules | None = None) -> Calla
     ``lm_head``, a base-model prefix added or dropped), and ``save_pretrained`` writes the
     file names. Uses transformers' own mapping for this model (``rules``, or built here).
     A key that one of its weight converters fuses or splits into a model tensor (MoE
-    experts) is read by `annot.huggingface.conversions`, not renamed: reaching this
-    renamer (through a PEFT model) it is refused by name with `annot.CheckpointError`;
-    one whose converted name the model lacks stays as it is (an unexpected key)."""
+    experts) is read by `annot.huggingface.conversions` (through a PEFT model too, on its
+    base model's names), not renamed: one that reaches this renamer all the same is
+    refused by name with `annot.CheckpointError`; one whose converted name the model
+    lacks stays as it is (an unexpected key)."""
     rules = rules if rules is not None else key_rules(model)
 
     def rename(key: str) -> str:
@@ -149,9 +151,10 @@ def checkpoint_renamer(model: nn.Module, rules: KeyRules | None = None) -> Calla
             return key
         raise CheckpointError(
             f"{key}: transformers converts this tensor on load ({converter!r} fuses or "
-            "splits tensors), which annot.load does slice by slice for a transformers model "
-            "but not through a PEFT model yet: load the base model with annot and "
-            "annot.save it once (it writes the model's own names)")
+            "splits tensors), which annot.load does slice by slice where it plans the "
+            "conversions (annot.load of a transformers or PEFT model); here it reached a "
+            "plain rename: load the model with annot.from_pretrained and annot.save it "
+            "once (it writes the model's own names)")
 
     return rename
 

@@ -88,3 +88,51 @@ def test_fsdp2_refuses_layouts_it_cannot_split_before_the_model_changes(world4, 
         annot.auto_wrap(model, "fsdp2", mesh=annot.ParallelDims(**dims))
     assert not any(hasattr(p, "device_mesh") for p in model.parameters())
     assert all(m.num_experts == 4 for n, m in model.named_modules() if n.endswith(".experts"))
+
+
+def test_a_plans_ep_with_a_device_mesh_is_refused_not_dropped(world4):
+    """A DeviceMesh carries no ep: the Plan's would be dropped without a word (each rank
+    then keeps every expert's shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _meta("qwen3_moe")
+    plan = annot.plan(model, parallel=annot.ParallelDims(ep=2))
+    with pytest.raises(ValueError, match="ask for expert parallelism \\(ep=2\\), which a DeviceMesh cannot carry"):
+        annot.auto_wrap(model, "fsdp2", plan, mesh=init_device_mesh("cpu", (4,)))
+    assert all(m.num_experts == 4 for n, m in model.named_modules() if n.endswith(".experts"))
+
+
+def test_fp16_reductions_with_one_copy_per_expert_are_refused_before_the_model_changes(world4):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = _meta("qwen3_moe")
+    fp16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    with pytest.raises(ValueError, match="reduced in torch.float16 with one copy per expert"):
+        annot.auto_wrap(model, "fsdp2", mesh=annot.ParallelDims(shard=2, replicate=2, ep=2),
+                        mixed_precision=fp16)
+    assert not any(hasattr(p, "device_mesh") for p in model.parameters())
+
+
+def test_a_parameter_of_an_experts_module_left_out_of_the_plan_is_refused():
+    model = _meta("gpt_oss")
+    model.ep_plan = {k: v for k, v in model.ep_plan.items() if not k.endswith("_bias")}
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj_bias is in an experts module but not split"):
+        resolve_expert_plan(model, 2)
+
+
+def test_each_rank_writes_its_own_expert_rows_in_a_shared_save(world4):
+    """FSDP2 over experts split by ep places the stacks as strided shards: each rank's
+    rows are still one block, written by that rank, never gathered whole."""
+    from annot.checkpoint_io.entries import entry
+    from annot.checkpoint_io.shared_save import owned_pieces
+    from annot.meta.layout import WHOLE
+
+    model = _meta("qwen3_moe")
+    annot.auto_wrap(model, "fsdp2", mesh=annot.ParallelDims(ep=2))  # efsdp 2: sharded copies
+    stacks = {n: p for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))}
+    assert stacks and all("_StridedShard" in repr(p.placements) for p in stacks.values())
+    for name, param in stacks.items():
+        pieces = owned_pieces(entry(name, param, WHOLE), dist.get_rank())
+        assert pieces is not None and len(pieces) == 1, name
+        first, local = pieces[0]
+        assert (first, tuple(local.shape)) == (0, (1, *param.shape[1:])), name  # rank 0: expert 0
