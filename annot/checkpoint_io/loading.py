@@ -44,6 +44,7 @@ from annot.huggingface.keys import (
     KeyRules,
     checkpoint_renamer,
     key_rules,
+    peft_copy_sources,
     peft_key_rules,
     peft_names,
     peft_renamer,
@@ -202,12 +203,28 @@ def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
             name = rename(key) if rename is not None else key
             available[name] = file
             file_key[name] = key
+    if is_peft_model(layout.bare_model(model)):
+        _peft_copies(layout.bare_model(model), names, available, file_key)
     groups = _tied_groups(model, names, layout)
     missing = [group[0] for group in groups
                if not any(n in available or n in converted.targets for n in group)]
     unexpected = sorted(set(available) - set(names))
     return _Match(missing, unexpected, groups, available, file_key, files, names, converted,
                   converted_files)
+
+
+def _peft_copies(model: nn.Module, names: dict[str, torch.Tensor], available: dict[str, Path],
+                 file_key: dict[str, str]) -> None:
+    """A PEFT module copy the checkpoint names once (``modules_to_save``: the original and
+    the trained copy; a tied head: under the embedding's key) takes that key too, so it is
+    loaded rather than left to its initialization (strict=False trained a random head)."""
+    to_peft = peft_names(model, names)
+    for name, bases in peft_copy_sources(model, names).items():
+        if name in available:
+            continue
+        source = next((to_peft[b] for b in bases if to_peft.get(b) in available), None)
+        if source is not None:
+            available[name], file_key[name] = available[source], file_key[source]
 
 
 def _converted(model: nn.Module, rules: KeyRules | None, files: dict[Path, SafetensorsFile],

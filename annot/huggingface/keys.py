@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-__all__ = ["KeyRules", "checkpoint_renamer", "key_rules", "peft_base_name", "peft_key_rules", "peft_names", "peft_renamer"]
+__all__ = ["KeyRules", "checkpoint_renamer", "key_rules", "peft_base_name", "peft_copy_sources", "peft_key_rules", "peft_names",
+           "peft_renamer"]
 
 # PeftModel -> LoraModel -> the transformers model: the prefix of every base name.
 PEFT_PREFIX = "base_model.model."
@@ -61,6 +62,22 @@ def peft_names(model: Any, names: Iterable[str] | None = None) -> dict[str, str]
     adapter = model.active_adapter
     return {peft_base_name(name, adapter): name for name in (model.state_dict() if names is None else names)
             if ".lora_" not in name and ".original_module." not in name}
+
+
+def peft_copy_sources(model: Any, names: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """The base-model tensors each of a PEFT model's module copies is read from: a
+    ``modules_to_save`` module keeps the original (``original_module``) and a trained
+    copy, both made from the base module, so both take its checkpoint tensor; where the
+    base model ties that tensor to another (an ``lm_head`` tied to the embedding, which
+    the checkpoint holds once), the tie's source next. PEFT name -> base names in order."""
+    adapter = model.active_adapter
+    ties = dict(getattr(model.get_base_model(), "all_tied_weights_keys", None) or {})
+    out: dict[str, tuple[str, ...]] = {}
+    for name in names:
+        if ".original_module." in name or f".modules_to_save.{adapter}." in name:
+            base = peft_base_name(name.replace(".original_module.", "."), adapter)
+            out[name] = (base, ties[base]) if base in ties else (base,)
+    return out
 
 
 def peft_renamer(model: Any, rules_and_names: tuple[KeyRules | None, dict[str, str]] | None = None

@@ -388,7 +388,8 @@ def _recording(tensor_mode: contextlib.AbstractContextManager[Any], recorder: _R
     original_call = _capture_roots(built)
     _active = True
     try:
-        with _value_dependent_inits(tensor_mode), _noop_to_returns_self(), tensor_mode, recorder:
+        with _value_dependent_inits(tensor_mode), _noop_to_returns_self(), _fake_deepcopy_clones(), \
+                tensor_mode, recorder:
             yield
             for root in _roots(built):
                 _init_untouched(root, recorder)
@@ -459,6 +460,41 @@ def _noop_to_returns_self() -> Iterator[None]:
         yield
     finally:
         nn.Module.to = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _fake_deepcopy_clones() -> Iterator[None]:
+    """``copy.deepcopy`` of a fake tensor inside the block is a recorded ``clone``.
+
+    FakeTensor answers ``Tensor.__deepcopy__`` with ``fake_mode.from_tensor(t)``, which
+    records nothing the replay could follow, and copying a module that holds fake
+    parameters (PEFT's ``modules_to_save`` copies the embedding or head it trains)
+    corrupted the process's heap: later allocations aborted ("corrupted double-linked
+    list") or crashed, and a loaded embedding held other memory's bytes, within one
+    process (docs/design.md, pitfall 54). A clone is what eager ``deepcopy`` computes,
+    and the recorder replays it from the source's values."""
+    had = "__deepcopy__" in FakeTensor.__dict__
+    previous = FakeTensor.__dict__.get("__deepcopy__")
+
+    def deepcopy(self: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            out = torch.Tensor.clone(self)
+        out.requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):
+            out._is_param = True  # type: ignore[attr-defined]
+        memo[id(self)] = out
+        return out
+
+    FakeTensor.__deepcopy__ = deepcopy  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had:
+            FakeTensor.__deepcopy__ = previous  # type: ignore[method-assign]
+        else:
+            del FakeTensor.__deepcopy__
 
 
 # Which modules were built: wrap nn.Module.__init__ for the duration of the block.

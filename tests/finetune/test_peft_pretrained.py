@@ -47,3 +47,28 @@ def test_equal_to_transformers_from_pretrained_then_get_peft_model(tmp_path, mma
     with torch.no_grad():
         torch.testing.assert_close(loaded(**probe_inputs("llama")).logits,
                                    trained_base.eval()(**probe_inputs("llama")).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_modules_to_save_load_both_copies_as_peft_over_transformers(tmp_path, tied):
+    """``modules_to_save=["lm_head"]``: PEFT keeps the original head and a trained copy,
+    both made from the base head; a tied head is in the checkpoint once, under the
+    embedding's key. Before, strict=True refused the load (the copy, or the original,
+    "missing") and strict=False trained from a random head (loss 5.603 against 5.555)."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+
+    def lora():
+        return peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+
+    torch.manual_seed(SEED)
+    loaded = annot.from_pretrained(tmp_path, engine=None, peft_config=lora(), strict=True)
+    torch.manual_seed(SEED)
+    reference = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path), lora())
+    got, want = loaded.state_dict(), reference.state_dict()
+    assert got.keys() == want.keys()
+    assert {k for k in got if ".modules_to_save." in k or ".original_module." in k} == {
+        "base_model.model.lm_head.modules_to_save.default.weight", "base_model.model.lm_head.original_module.weight"}
+    assert [k for k in want if ".lora_" not in k and not torch.equal(got[k], want[k])] == []
