@@ -28,6 +28,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -239,7 +240,8 @@ def _converted(model: nn.Module, rules: KeyRules | None, files: dict[Path, Safet
     cached = _CONVERSIONS.get(rules)
     peft = is_peft_model(model)
     if cached is None or cached[0] != sources:  # one `from_pretrained` matches up to 3 times
-        cached = sources, plan_conversions(model.get_base_model() if peft else model, rules, sources)
+        base = cast(Any, model).get_base_model() if peft else model  # PEFT's own method
+        cached = sources, plan_conversions(base, rules, sources)
         _CONVERSIONS[rules] = cached
     conversions = cached[1]
     if peft:  # planned on the base model's names (under PEFT, `base_layer` is in them)

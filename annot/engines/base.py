@@ -475,7 +475,7 @@ def clip_across_meshes(params: list[nn.Parameter], max_norm: float, norm_type: f
     groups = _by_mesh(params)
     norms = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], norm_type)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     # The p-norm of the per-mesh p-norms is the p-norm of every element (inf, -inf, 0 too).
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device, torch.float32) for n in norms]),

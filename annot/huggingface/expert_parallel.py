@@ -24,6 +24,7 @@ transformers is imported inside the functions: ``import annot`` stays light.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -82,7 +83,7 @@ def resolve_expert_plan(model: nn.Module, ep: int) -> ExpertParallelPlan:
             "base_model_ep_plan), so which modules hold experts is unknown. Use ep=1, or set "
             "model.ep_plan = {'layers.*.mlp.experts': 'ep_dispatch_experts', "
             "'layers.*.mlp.experts.gate_up_proj': 'grouped_gemm', ...}")
-    expanded: dict[str, str] = model._expand_parallel_plan(rules)
+    expanded: dict[str, str] = cast(Any, model)._expand_parallel_plan(rules)
     unknown = sorted({s for s in expanded.values() if s not in (PARAM_STYLE, DISPATCH_STYLE)})
     if unknown:
         raise ValueError(

@@ -483,7 +483,7 @@ def _fake_deepcopy_clones() -> Iterator[None]:
             out = torch.Tensor.clone(self)
         out.requires_grad_(self.requires_grad)
         if getattr(self, "_is_param", False):
-            out._is_param = True  # type: ignore[attr-defined]
+            out._is_param = True
         memo[id(self)] = out
         return out
 
@@ -492,7 +492,7 @@ def _fake_deepcopy_clones() -> Iterator[None]:
         yield
     finally:
         if had:
-            FakeTensor.__deepcopy__ = previous  # type: ignore[method-assign]
+            FakeTensor.__deepcopy__ = previous  # type: ignore[method-assign,assignment]
         else:
             del FakeTensor.__deepcopy__
 
