@@ -81,7 +81,9 @@ def traced_blocks(monkeypatch):
     return counts
 
 
-@pytest.mark.parametrize("pattern", PATTERNS)
+# One pattern in the default run (the one with every kind of choice); the rest in the sweep lane.
+@pytest.mark.parametrize("pattern", [p if p == "four kinds" else pytest.param(p, marks=pytest.mark.sweep)
+                                     for p in PATTERNS])
 def test_a_mixed_answer_traced_from_a_cut_equals_the_whole_trace(pattern, traced_blocks):
     solver = _solver(_gpt())
     choices = _choices(PATTERNS[pattern])
@@ -166,6 +168,7 @@ class _IndexedGPT(GPT):
         return logits, loss
 
 
+@pytest.mark.sweep
 @pytest.mark.slow
 def test_a_model_that_reads_its_blocks_by_position_is_traced_whole(traced_blocks):
     with torch.device("meta"):
@@ -178,6 +181,7 @@ def test_a_model_that_reads_its_blocks_by_position_is_traced_whole(traced_blocks
     _assert_same(fast, whole)
 
 
+@pytest.mark.sweep
 @pytest.mark.slow
 def test_a_config_that_describes_blocks_differently_is_traced_whole(traced_blocks):
     """A config listing a type per block, not all alike (sliding and full attention):
