@@ -26,7 +26,7 @@ import math
 import os
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, cast
 
@@ -193,8 +193,12 @@ def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
     # Keys that are all the model's own names need no renaming (the usual case: saved by
     # this model class); transformers' renaming rules take about 0.4-0.7 s to build.
     as_is = all(key in names for handle in files.values() for key in handle.keys())
-    rename, rules = (None, None) if as_is else _key_renamer(layout.bare_model(model))
-    converted, converted_files = _converted(layout.bare_model(model), rules, files, names)
+    bare = layout.bare_model(model)
+    rename, rules = (None, None) if as_is else _key_renamer(bare)
+    # A PEFT model's base names -> its own (conversions and module copies are planned on
+    # the base model's names).
+    to_peft = peft_names(bare, names) if is_peft_model(bare) else None
+    converted, converted_files = _converted(bare, rules, files, to_peft)
     available: dict[str, Path] = {}
     file_key: dict[str, str] = {}
     for file, handle in files.items():
@@ -204,8 +208,8 @@ def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
             name = rename(key) if rename is not None else key
             available[name] = file
             file_key[name] = key
-    if is_peft_model(layout.bare_model(model)):
-        _peft_copies(layout.bare_model(model), names, available, file_key)
+    if to_peft is not None:
+        _peft_copies(bare, names, to_peft, available, file_key)
     groups = _tied_groups(model, names, layout)
     missing = [group[0] for group in groups
                if not any(n in available or n in converted.targets for n in group)]
@@ -214,12 +218,12 @@ def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
                   converted_files)
 
 
-def _peft_copies(model: nn.Module, names: dict[str, torch.Tensor], available: dict[str, Path],
-                 file_key: dict[str, str]) -> None:
+def _peft_copies(model: nn.Module, names: dict[str, torch.Tensor], to_peft: dict[str, str],
+                 available: dict[str, Path], file_key: dict[str, str]) -> None:
     """A PEFT module copy the checkpoint names once (``modules_to_save``: the original and
     the trained copy; a tied head: under the embedding's key) takes that key too, so it is
-    loaded rather than left to its initialization (strict=False trained a random head)."""
-    to_peft = peft_names(model, names)
+    loaded rather than left to its initialization (strict=False trained a random head).
+    ``to_peft``: `peft_names` of ``model``."""
     for name, bases in peft_copy_sources(model, names).items():
         if name in available:
             continue
@@ -229,23 +233,22 @@ def _peft_copies(model: nn.Module, names: dict[str, torch.Tensor], available: di
 
 
 def _converted(model: nn.Module, rules: KeyRules | None, files: dict[Path, SafetensorsFile],
-               names: Iterable[str]) -> tuple[Conversions, dict[str, Path]]:
+               to_peft: dict[str, str] | None) -> tuple[Conversions, dict[str, Path]]:
     """The model tensors transformers' converters build from the files' keys, planned
-    from the headers (nothing is read), and the file of each key they use. ``names``:
-    the model's state names (`state_names`), onto which a PEFT model's targets go."""
+    from the headers (nothing is read), and the file of each key they use. ``to_peft``
+    (a PEFT model: `peft_names`) puts the targets, planned on the base model's names,
+    onto the PEFT model's."""
     if rules is None or not rules.converters:
         return Conversions(), {}
     where = {key: file for file, handle in files.items() for key in handle.keys()}
     sources = {key: (files[file].shape(key), files[file].dtype(key)) for key, file in where.items()}
     cached = _CONVERSIONS.get(rules)
-    peft = is_peft_model(model)
     if cached is None or cached[0] != sources:  # one `from_pretrained` matches up to 3 times
-        base = cast(Any, model).get_base_model() if peft else model  # PEFT's own method
+        base = cast(Any, model).get_base_model() if to_peft is not None else model  # PEFT's own method
         cached = sources, plan_conversions(base, rules, sources)
         _CONVERSIONS[rules] = cached
     conversions = cached[1]
-    if peft:  # planned on the base model's names (under PEFT, `base_layer` is in them)
-        to_peft = peft_names(model, names)
+    if to_peft is not None:  # planned on the base model's names (under PEFT, `base_layer` is in them)
         conversions = Conversions({to_peft.get(n, n): node for n, node in conversions.targets.items()},
                                   conversions.consumed)
     return conversions, {key: where[key] for key in conversions.consumed}

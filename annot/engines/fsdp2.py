@@ -339,6 +339,7 @@ def apply_fsdp2(
     # The mesh's last dimension is the one FSDP2 shards over (pitfall 25).
     pin = pin_offloaded_state(plan, offload, device, mesh.shape[-1])
 
+    sharded_experts = set(experts.plan.experts) if experts is not None else set()
     if experts is not None:
         def experts_offload(path: str) -> OffloadPolicy:
             # As the innermost shard unit that is or holds the experts module.
@@ -353,7 +354,7 @@ def apply_fsdp2(
     for unit in plan.units:
         if not unit.has(Action.SHARD):
             continue
-        if experts is not None and set(unit.modules) <= set(experts.plan.experts):
+        if set(unit.modules) <= sharded_experts:
             continue
         modules = [model.get_submodule(path) for path in unit.modules]
         fully_shard(

@@ -115,7 +115,7 @@ def shard_experts(model: nn.Module, layout: ExpertLayout, *, reshard_after_forwa
     module's (by path: the unit holding it decides). Runs before the Plan's units, so
     each unit's own call takes what the experts module does not hold."""
     copies = layout.copies_mesh
-    sharded = copies.size() > 1 if copies.ndim == 1 else copies["efsdp"].size() > 1
+    sharded = layout.mesh["efsdp"].size() > 1  # more than one copy per shard of rows
     for path in layout.plan.experts:
         module = model.get_submodule(path)
         fully_shard(module, mesh=copies, reshard_after_forward=reshard_after_forward,

@@ -16,8 +16,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-__all__ = ["KeyRules", "checkpoint_renamer", "key_rules", "peft_base_name", "peft_copy_sources", "peft_key_rules", "peft_names",
-           "peft_renamer"]
+__all__ = [
+    "KeyRules", "checkpoint_renamer", "key_rules", "peft_base_name", "peft_copy_sources",
+    "peft_key_rules", "peft_names", "peft_renamer",
+]
 
 # PeftModel -> LoraModel -> the transformers model: the prefix of every base name.
 PEFT_PREFIX = "base_model.model."

@@ -38,8 +38,8 @@ whose blocks differ (the budget's answers mix choices: some blocks ``none``, som
 Everything else falls back to tracing the whole model: no stack of at least
 `MIN_BLOCKS` identical units, a unit inside a block, stretches that do not repeat
 (the cut traces' patterns differ), a model whose forward fails with fewer blocks
-(one that indexes its blocks by a configured count), and, for mixed steps, no run long
-enough to cut or a config listing per-block types that differ (`_positional`).
+(one that indexes its blocks by a configured count), a config listing per-block types
+that differ (`_positional`), and, for mixed steps, no run long enough to cut.
 tests/memory/test_representative.py and test_representative_mixed.py check every
 figure against the full trace on small models (equal within 0.1%).
 """
@@ -198,13 +198,12 @@ def fast_trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int
                                   autocast=autocast, inputs=inputs, gpu_rules=gpu_rules,
                                   prepare=prepare)
     stack = block_stack(model, plan)
-    if stack is None or plan is None:
+    # A config describing blocks one by one: a cut's blocks would read other blocks' entries.
+    if stack is None or plan is None or _positional(model, stack):
         return trace_step(model, plan, **kwargs)
     runs = _block_runs(plan, stack, applied=checkpoint or prepare is not None)
     if len(runs) > 1:
         return _mixed_trace_step(model, plan, stack, runs, kwargs)
-    if _positional(model, stack):  # the cut's blocks would read other blocks' entries
-        return trace_step(model, plan, **kwargs)
     traces, index_maps = [], []
     try:
         for keep in _CUTS:
@@ -418,10 +417,11 @@ def _mixed_trace_step(model: nn.Module, plan: Plan, stack: BlockStack, runs: lis
     """`trace_step` of a step whose blocks differ, from one trace of the stack cut to the
     blocks `_sources` keeps (module docstring); traced whole where that cut keeps every
     block, the model's forward fails without the blocks cut away, or the cut trace's
-    stretches do not follow the pattern (`_rebuild`)."""
+    stretches do not follow the pattern (`_rebuild`). The caller has refused configs
+    that describe blocks one by one (`_positional`)."""
     source = _sources(runs)
     kept = sorted(set(source))
-    if len(kept) == stack.count or _positional(model, stack):
+    if len(kept) == stack.count:
         return trace_step(model, plan, **kwargs)
     counts: list[SegmentCounts] = []
     try:
