@@ -288,3 +288,37 @@ def test_memory_cp_sizes_that_are_not_integers_are_refused(capsys):
     code, _, err = run(capsys, "plan", GPT, "--memory", "--cp", "2,x")
     assert code == 2
     assert "--cp '2,x': give sizes as integers" in err
+
+
+_FP32_GATE = (
+    "import torch\nfrom torch import nn\nimport annot\n\n"
+    "@annot.shard_block\nclass Block(nn.Linear):\n    pass\n\n"
+    "class Fp32Gate(nn.Module):\n"
+    "    # Multiplies its (parameter-dtype) hidden states by an fp32 tensor it makes, as\n"
+    "    # xLSTM's chunked kernel does: torch refuses it with 16-bit parameters.\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.embed, self.block = nn.Embedding(11, 8), Block(8, 8)\n\n"
+    "    def forward(self, input_ids=None):\n"
+    "        h = self.block(self.embed(input_ids))\n"
+    "        return (h[None] @ torch.ones(1, 1, 8, 8, dtype=torch.float32)).float().sum()\n")
+
+
+def test_plan_memory_plans_a_model_that_fails_in_16_bit_with_amp_and_says_so(capsys, tmp_path):
+    source = tmp_path / "gate.py"
+    source.write_text(_FP32_GATE)
+    code, out, _ = run(capsys, "plan", f"{source}:Fp32Gate", "--memory", "--seq", "8")
+    assert code == 0
+    assert "Memory for Fp32Gate" in out and ", amp, adamw;" in out
+    note = out.splitlines()[-1]
+    assert note.startswith("note: Fp32Gate.forward fails with 16-bit parameters (RuntimeError:")
+    assert "planned with --precision amp" in note
+
+
+def test_plan_memory_refuses_a_16_bit_precision_the_model_fails_with_when_it_is_asked_for(capsys, tmp_path):
+    source = tmp_path / "gate.py"
+    source.write_text(_FP32_GATE)
+    code, out, err = run(capsys, "plan", f"{source}:Fp32Gate", "--memory", "--seq", "8",
+                         "--precision", "bf16-mixed")
+    assert code == 2 and out == ""
+    assert "--precision bf16-mixed traces the forward with 16-bit parameters" in err

@@ -78,10 +78,11 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     memory.add_argument("--seq", type=int, default=None,
                         help="sequence length (default: 2048, or the model's longest if shorter: "
                              "max_position_embeddings, n_positions)")
-    memory.add_argument("--precision", default="bf16-mixed",
+    memory.add_argument("--precision", default=None,
                         choices=("fp32", "amp", "bf16-mixed", "fp16-mixed", "bf16"),
                         help="fp32; amp (fp32 states, torch.autocast); 16-bit mixed with fp32 "
-                             "master weights; or pure bf16 (default: bf16-mixed)")
+                             "master weights; or pure bf16 (default: bf16-mixed, or amp for a "
+                             "model whose forward fails with 16-bit parameters, said under the table)")
     memory.add_argument("--optimizer", default="adamw",
                         choices=("adamw", "adam", "adamw-for-loop", "adam-for-loop", "sgd-momentum", "sgd"),
                         help="default: adamw (torch's foreach step); *-for-loop: no states-sized "
@@ -175,6 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rewrite_main(argv[1:], prog="annot rewrite")
     args = _parser().parse_args(argv)
     if args.command == "plan":
+        # Whether --precision was given: a default the model cannot run is replaced (amp).
+        args.precision_given = args.precision is not None
+        args.precision = args.precision or DEFAULT_PRECISION
         return _run_plan(args)
     raise AssertionError(f"unhandled command {args.command}")
 
@@ -258,11 +262,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     def given(value: float | None, default: float) -> float:
         return default if value is None else value
 
-    try:
-        report = estimate_memory(
+    def estimate(precision: str):
+        return estimate_memory(
             model, plan, gpus=args.gpus, nodes=args.nodes, batch=args.batch,
             seq=args.seq or default_seq(model),
-            precision=args.precision, optimizer=args.optimizer,
+            precision=precision, optimizer=args.optimizer,
             gpu_mem=gpu_mem, host_mem=host_mem,
             margin=MARGIN if args.margin is None else args.margin, reserve=reserve,
             intra_node_bw=given(args.intra_node_bw, INTRA_NODE_BW),
@@ -270,13 +274,27 @@ def _run_plan(args: argparse.Namespace) -> int:
             cp=cp_sizes(args.cp), cp_attention=args.cp_attention,
             deepspeed_config=args.deepspeed_config, gpu=args.gpu,
         )
+
+    notes: list[str] = []
+    try:
+        try:
+            report = estimate(args.precision)
+        except Exception as exc:
+            if args.precision_given or not fails_in_16_bit(exc, args.precision):
+                raise
+            report = estimate(FALLBACK_PRECISION)
+            notes.append(f"{type(model).__name__}.forward fails with 16-bit parameters "
+                         f"({_first_line(exc)}), which the default --precision {args.precision} "
+                         f"gives it: planned with --precision {FALLBACK_PRECISION} instead (fp32 "
+                         "parameters and states, bf16 autocast); --precision chooses")
+            args.precision = FALLBACK_PRECISION
     except (AnnotError, ValueError) as exc:
         print(f"annot plan: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # the model's own forward failed under fake tensors
         print(f"annot plan: error: {trace_failure(model, exc, args.precision)}", file=sys.stderr)
         return 2
-    notes = _unpriced(plan)
+    notes += _unpriced(plan)
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "memory": report.to_dict(), "notes": notes}, indent=2))
     else:
@@ -339,6 +357,26 @@ _POSITION_LIMITS = ("max_position_embeddings", "n_positions", "n_ctx")
 _DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException")
 
 
+DEFAULT_PRECISION = "bf16-mixed"
+#: What ``annot plan --memory`` plans a model with when it fails with 16-bit parameters
+#: and --precision was not given (xLSTM: its chunked kernel multiplies fp32 gates by
+#: 16-bit values, which torch refuses; under autocast it runs).
+FALLBACK_PRECISION = "amp"
+_SIXTEEN_BIT = ("bf16-mixed", "fp16-mixed", "bf16")
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
+def fails_in_16_bit(exc: BaseException, precision: str) -> bool:
+    """Whether ``exc``, from a trace with 16-bit parameters (``precision``), is a dtype
+    mismatch inside the model (fp32 and bf16 operands of one operation)."""
+    text = str(exc).lower()
+    return (precision in _SIXTEEN_BIT and isinstance(exc, RuntimeError)
+            and ("dtype" in text or "scalar type" in text))
+
+
 def trace_failure(model, exc: Exception, precision: str = "fp32") -> str:
     """The message for a model whose forward failed under the memory trace's fake tensors:
     where it reads a tensor's value (``.item()``, a nonzero's size) the trace cannot know
@@ -353,7 +391,7 @@ def trace_failure(model, exc: Exception, precision: str = "fp32") -> str:
                 "shapes, not values. annot plan without --memory works, and so does training; "
                 "measure this model's peak in a real step instead")
     message = f"tracing {name}.forward for --memory failed: {type(exc).__name__}: {first}"
-    if precision in ("bf16-mixed", "fp16-mixed", "bf16") and "type" in first.lower():
+    if fails_in_16_bit(exc, precision):
         message += (f" (--precision {precision} traces the forward with 16-bit parameters, as "
                     "FSDP's and DeepSpeed's mixed precision run it; a model that fails so outside "
                     "the trace too, as xLSTM does, trains in fp32 or under autocast: plan it with "

@@ -62,28 +62,18 @@ class ExpertParallelPlan:
 def resolve_expert_plan(model: nn.Module, ep: int) -> ExpertParallelPlan:
     """``model``'s expert-parallel plan for ``ep`` ranks, checked before anything changes.
 
-    Raises ``ValueError`` naming the reason when the model is not a transformers model
-    with an ``ep_plan`` (a PEFT wrapper is refused too: its adapters would see the
-    experts split under them), when the plan uses a style annot does not apply, or when
-    an experts module's expert count does not divide by ``ep``."""
+    The plan is a transformers model's ``ep_plan``; for any other model, its own
+    ``ep_plan`` or else the experts modules annot's Plan finds (`_own_plan`). Raises
+    ``ValueError`` naming the reason when there is none, when an experts module breaks
+    transformers' experts contract (a model not transformers'), when the plan uses a
+    style annot does not apply, or when an expert count does not divide by ``ep``. A
+    PEFT wrapper is refused too: its adapters would see the experts split under them."""
     if is_peft_model(model):
         raise ValueError(
             f"expert parallelism (ep={ep}) on a PEFT model is not available: the adapters "
             "would wrap expert stacks split under them. Train the adapters with ep=1 (FSDP2 "
             "shards the fused experts over the data-parallel ranks)")
-    if not is_pretrained_model(model):
-        raise ValueError(
-            f"expert parallelism (ep={ep}) needs a transformers mixture-of-experts model, whose "
-            f"ep_plan says which modules hold experts; {type(model).__name__} is not one. Use "
-            "ep=1 (FSDP2 shards expert weights like any other parameter)")
-    rules = dict(getattr(model, "ep_plan", None) or {})
-    if not rules:
-        raise ValueError(
-            f"expert parallelism (ep={ep}): {type(model).__name__} has no ep_plan (its config's "
-            "base_model_ep_plan), so which modules hold experts is unknown. Use ep=1, or set "
-            "model.ep_plan = {'layers.*.mlp.experts': 'ep_dispatch_experts', "
-            "'layers.*.mlp.experts.gate_up_proj': 'grouped_gemm', ...}")
-    expanded: dict[str, str] = cast(Any, model)._expand_parallel_plan(rules)
+    expanded = _transformers_plan(model, ep) if is_pretrained_model(model) else _own_plan(model, ep)
     unknown = sorted({s for s in expanded.values() if s not in (PARAM_STYLE, DISPATCH_STYLE)})
     if unknown:
         raise ValueError(
@@ -107,6 +97,95 @@ def resolve_expert_plan(model: nn.Module, ep: int) -> ExpertParallelPlan:
                          f"{'; '.join(dict.fromkeys(problems))}. Choose an ep that divides the "
                          "expert count")
     return ExpertParallelPlan(experts=experts, stacks=stacks)
+
+
+def _transformers_plan(model: nn.Module, ep: int) -> dict[str, str]:
+    """A transformers model's ``ep_plan``, expanded to its paths by transformers."""
+    rules = dict(getattr(model, "ep_plan", None) or {})
+    if not rules:
+        raise ValueError(
+            f"expert parallelism (ep={ep}): {type(model).__name__} has no ep_plan (its config's "
+            "base_model_ep_plan), so which modules hold experts is unknown. Use ep=1, or set "
+            "model.ep_plan = {'layers.*.mlp.experts': 'ep_dispatch_experts', "
+            "'layers.*.mlp.experts.gate_up_proj': 'grouped_gemm', ...}")
+    return cast(Any, model)._expand_parallel_plan(rules)
+
+
+def _own_plan(model: nn.Module, ep: int) -> dict[str, str]:
+    """The plan of a model that is not a transformers model: its ``ep_plan`` where it has
+    one (``*`` matching one path component), else every experts module annot's Plan
+    finds (`annot.policies.experts`: a module holding 3-D stacks of one row per expert),
+    each with all its parameters split by expert. Either way each experts module must
+    keep transformers' experts contract (`_contract_problems`), which the token
+    exchange relies on."""
+    from annot.policies.experts import find_moe_blocks
+    from annot.policies.model_index import ModelIndex
+
+    rules = getattr(model, "ep_plan", None)
+    if isinstance(rules, dict) and rules:
+        expanded = _expand(model, rules)
+    else:
+        expanded = {}
+        for block in find_moe_blocks(ModelIndex(model)):
+            module = model.get_submodule(block.experts)
+            expanded.update({f"{block.experts}.{n}": PARAM_STYLE for n, _ in module.named_parameters()})
+            expanded[block.experts] = DISPATCH_STYLE
+    if not expanded:
+        raise ValueError(
+            f"expert parallelism (ep={ep}): {type(model).__name__} has no experts module annot "
+            "can find (a module holding 3-D stacks of one row per expert, transformers' layout) "
+            "and no ep_plan. Use ep=1, or set model.ep_plan = {'layers.*.moe.experts': "
+            "'ep_dispatch_experts', 'layers.*.moe.experts.gate_up_proj': 'grouped_gemm', ...}")
+    modules = dict(model.named_modules())
+    problems = [problem for path, style in expanded.items() if style == DISPATCH_STYLE and path in modules
+                for problem in _contract_problems(path, modules[path])]
+    if problems:
+        raise ValueError(
+            f"expert parallelism (ep={ep}) cannot split {type(model).__name__}: "
+            f"{'; '.join(problems)}. annot splits experts through transformers' token exchange, "
+            "which calls an experts module as transformers' own are called. Use ep=1 (FSDP2 "
+            "shards the stacks like any parameter)")
+    return expanded
+
+
+def _expand(model: nn.Module, rules: dict[str, str]) -> dict[str, str]:
+    """``rules`` (path patterns, ``*`` one component) -> the parameter paths (stack style)
+    and module paths (other styles) they match."""
+    import fnmatch
+
+    def matches(path: str, pattern: str) -> bool:
+        parts, wanted = path.split("."), pattern.split(".")
+        return len(parts) == len(wanted) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, wanted, strict=True))
+
+    modules, params = list(dict(model.named_modules())), list(dict(model.named_parameters()))
+    # A stack style names parameters; any other style, modules (``experts.*`` is both).
+    return {name: style for pattern, style in rules.items()
+            for name in (params if style == PARAM_STYLE else modules) if matches(name, pattern)}
+
+
+#: transformers' experts contract: forward's arguments, in order.
+CONTRACT_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def _contract_problems(path: str, module: nn.Module) -> list[str]:
+    """Why the experts module at ``path`` cannot be reached through transformers' token
+    exchange, or ``[]``: it must take ``forward(hidden_states, top_k_index,
+    top_k_weights)`` (the exchange calls it with each rank's tokens and their local
+    expert ids) and hold an integer ``num_experts`` (set to the local count when split,
+    so its forward must count its experts by it)."""
+    import inspect
+
+    problems = []
+    count = getattr(module, "num_experts", None)
+    if not isinstance(count, int) or isinstance(count, bool):
+        problems.append(f"{path} ({type(module).__name__}) has no integer num_experts")
+    params = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if tuple(p.name for p in params[:3]) != CONTRACT_ARGUMENTS or any(
+            p.default is p.empty for p in params[3:]):
+        problems.append(f"{path}.forward takes ({', '.join(p.name for p in params)}), not "
+                        f"({', '.join(CONTRACT_ARGUMENTS)})")
+    return problems
 
 
 def _coverage_problems(model: nn.Module, experts: dict[str, int], stacks: tuple[str, ...]) -> list[str]:

@@ -21,7 +21,7 @@ import dataclasses
 import inspect
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from annot.huggingface.model import training_forward_kwargs
+from annot.memory.routing_values import ValueShadows, reads_values
 from annot.policies import Action, Plan
 
 __all__ = ["ActivationEstimate", "default_inputs", "trace_activations"]
@@ -52,6 +53,9 @@ class ActivationEstimate:
     saved_checkpointed: int
     recompute_peak: int
     per_unit: dict[str, int]
+    #: What the trace assumed of values it could not know (`annot.memory.routing_values`:
+    #: `ROUTING_ASSUMPTION` or `INPUT_ASSUMPTION`), or "": printed with the table.
+    assumption: str = ""
 
     @property
     def checkpointed_peak(self) -> int:
@@ -63,8 +67,9 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 def default_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Token ids of shape (batch, seq) as the model's first input, and as its targets or
-    labels when ``forward`` takes them (so the loss's saved tensors count too);
+    """Token ids of shape (batch, seq), all one ordinary token (`_ordinary_token`), as
+    the model's first input, and as its targets or labels when ``forward`` takes them (so
+    the loss's saved tensors count too);
     ``use_cache=False`` where ``forward`` takes it, as in training. Vision
     models (a ``pixel_values`` input and no ``input_ids``) get images of the configured
     size instead: a model taking both (Fuyu: images optional) is traced on text."""
@@ -74,7 +79,7 @@ def default_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[Any, .
         size = getattr(config, "image_size", 224)
         channels = getattr(config, "num_channels", 3)
         return (), {"pixel_values": torch.zeros(batch, channels, size, size)}
-    ids = torch.zeros(batch, seq, dtype=torch.long)
+    ids = torch.full((batch, seq), _ordinary_token(config), dtype=torch.long)
     kwargs: dict[str, Any] = {}
     if "use_cache" in params:
         # A training step keeps no key/value cache (annot passes use_cache=False to
@@ -93,6 +98,19 @@ def default_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[Any, .
     return (ids,), {}
 
 
+def _ordinary_token(config: Any) -> int:
+    """The smallest token id that none of ``config``'s special tokens has (padding,
+    begin, end, mask, image, ...: every ``*_token_id``, ``*_token_index`` and ``*_index``
+    field): the trace's token ids. Their values matter only to a model that reads them
+    (XLM counts its non-padding tokens), traced with `ValueShadows`."""
+    special: set[int] = set()
+    for name, value in (vars(config).items() if config is not None and hasattr(config, "__dict__") else ()):
+        if name.endswith(("token_id", "token_ids", "token_index", "_index")):
+            values = value if isinstance(value, (list, tuple)) else [value]
+            special.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+    return next(i for i in range(len(special) + 1) if i not in special)
+
+
 def trace_activations(
     model: nn.Module,
     plan: Plan | None,
@@ -106,11 +124,20 @@ def trace_activations(
     modified) at
     ``batch`` x ``seq`` and count the bytes saved for backward, with and without the
     checkpointing in ``plan``. ``dtype`` casts floating parameters first (the compute
-    dtype of mixed precision)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    dtype of mixed precision). A model that reads values is traced under balanced routing
+    (`annot.memory.routing_values`; ``assumption`` says so)."""
     if batch < 1 or seq < 1:
         raise ValueError(f"batch and seq must be at least 1, got batch={batch}, seq={seq}")
+    return _with_values(lambda shadows: _trace_activations(model, plan, batch=batch, seq=seq, dtype=dtype,
+                                                           inputs=inputs, shadows=shadows))
+
+
+def _trace_activations(model: nn.Module, plan: Plan | None, *, batch: int, seq: int,
+                       dtype: torch.dtype | None, inputs: InputsFn | None,
+                       shadows: ValueShadows | None) -> ActivationEstimate:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    values = shadows if shadows is not None else contextlib.nullcontext()
     checkpointed = set(plan.paths(Action.CHECKPOINT)) if plan is not None else set()
     modules = dict(model.named_modules())
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -118,7 +145,8 @@ def trace_activations(
         # One entry per parameter: functional_call re-ties tied names itself.
         params = {name: _fake_like(t, dtype, is_param=True) for name, t in model.named_parameters()}
         buffers = {name: _fake_like(t, dtype, is_param=False) for name, t in model.named_buffers()}
-        args, kwargs = (inputs or default_inputs)(model, batch, seq)
+        with values:
+            args, kwargs = (inputs or default_inputs)(model, batch, seq)
     state = {**params, **buffers}
     param_keys = {_storage_key(t) for t in params.values()}  # model states, not activations
 
@@ -158,7 +186,7 @@ def trace_activations(
         handles.append(modules[path].register_forward_pre_hook(enter(path), with_kwargs=True))
         handles.append(modules[path].register_forward_hook(leave))
     try:
-        with fake_mode, _traceable(), _tensor_attributes_kept(model), \
+        with fake_mode, values, _traceable(), _tensor_attributes_kept(model), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             torch.func.functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
     finally:
@@ -183,7 +211,22 @@ def trace_activations(
         saved_checkpointed=sum(sizes[k] for k in kept) if checkpointed else saved,
         recompute_peak=max(per_unit.values(), default=0),
         per_unit=per_unit,
+        assumption=shadows.assumption if shadows is not None else "",
     )
+
+
+R = TypeVar("R")
+
+
+def _with_values(trace: Callable[[ValueShadows | None], R]) -> R:
+    """``trace(None)``; where the model reads a value that fails, ``trace`` again with
+    `ValueShadows` (balanced routing). Models that read no value trace exactly as before."""
+    try:
+        return trace(None)
+    except Exception as exc:
+        if not reads_values(exc):
+            raise
+    return trace(ValueShadows())
 
 
 def _fake_like(t: torch.Tensor, dtype: torch.dtype | None, *, is_param: bool) -> torch.Tensor:
@@ -230,6 +273,8 @@ class StepTrace:
     #: Floating-point operations of the traced step (forward, loss, backward, and the
     #: recomputation of checkpointed units; `annot.memory.counting.FlopCount`).
     flops: int = 0
+    #: As `ActivationEstimate.assumption`.
+    assumption: str = ""
 
 
 def trace_step(
@@ -257,7 +302,23 @@ def trace_step(
     ``prepare`` installs the run-time tools on the traced copy instead of the Plan's
     checkpointing (`annot.memory.budget` traces its per-unit choices so). ``counts``,
     when given, receives one `SegmentCounts` per stretch of the returned ``segments``
-    (`annot.memory.representative` rebuilds a whole step from a cut one with them)."""
+    (`annot.memory.representative` rebuilds a whole step from a cut one with them). A
+    model that reads values is traced under balanced routing (`trace_activations`)."""
+    def run(shadows: ValueShadows | None) -> StepTrace:
+        found: list[SegmentCounts] = []
+        trace = _trace_step(model, plan, batch=batch, seq=seq, checkpoint=checkpoint, dtype=dtype,
+                            autocast=autocast, inputs=inputs, prepare=prepare, gpu_rules=gpu_rules,
+                            counts=found, shadows=shadows)
+        if counts is not None:
+            counts.extend(found)
+        return trace
+    return _with_values(run)
+
+
+def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, checkpoint: bool,
+                dtype: torch.dtype | None, autocast: torch.dtype | None, inputs: InputsFn | None,
+                prepare: Callable[[nn.Module], None] | None, gpu_rules: bool,
+                counts: list[SegmentCounts], shadows: ValueShadows | None) -> StepTrace:
     from annot.memory.counting import FlopCount, LiveBytes
     from annot.runtime.activation_checkpoint import apply_checkpointing, torch_checkpoint
 
@@ -333,7 +394,9 @@ def trace_step(
     modes = {m: m.training for m in model.modules()}
     model.train()
     try:
-        with fake_mode, counter, flop_counter, _traceable():
+        # The shadows sit between the fake mode and the counters: what they make is counted.
+        with fake_mode, shadows if shadows is not None else contextlib.nullcontext(), \
+                counter, flop_counter, _traceable():
             args, kwargs = (inputs or default_inputs)(model, batch, seq)
             # A training step keeps no key/value cache, checkpointed or not (pitfall 14).
             kwargs = training_forward_kwargs(model, args, kwargs)
@@ -352,12 +415,12 @@ def trace_step(
             handle.remove()
         for module, training in modes.items():
             module.training = training
-    if counts is not None:
-        counts.extend(SegmentCounts(*t) for t in tallies)
+    counts.extend(SegmentCounts(*t) for t in tallies)
     return StepTrace(batch=batch, seq=seq, checkpoint=bool(paths), peak=peaks["act"],
                      peak_with_grads=peaks["all"], grads=peaks["grads"],
                      segments=tuple((ph, u, top, end) for ph, u, top, end in segments),
-                     flops=flop_counter.total)
+                     flops=flop_counter.total,
+                     assumption=shadows.assumption if shadows is not None else "")
 
 
 def fake_copy(model: nn.Module, dtype: torch.dtype | None) -> tuple[nn.Module, Any]:

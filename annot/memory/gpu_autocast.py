@@ -8,7 +8,8 @@ casted tensors are what backward saves, as on the GPU):
 
 - `LOWER`: CUDA's "ops that can autocast to float16/bfloat16" (matmuls, linear,
   convolutions, attention) run in the 16-bit dtype; a parameter's cast is cached for
-  the mode's life, as autocast caches leaf tensors that require grad;
+  the mode's life, as autocast caches leaf tensors that require grad (not under
+  ``no_grad``, as torch does not);
 - `FP32`: CUDA's "ops that can autocast to float32" (pointwise transcendental ops, the
   norms, softmax and the losses, reductions that take a dtype) run in float32.
 
@@ -89,7 +90,11 @@ class CudaAutocast(TorchFunctionMode):
     def _lower(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == self.dtype:
             return value
-        if self._caching and value.is_leaf and value.requires_grad:  # autocast's cast cache
+        # autocast's cast cache, which holds no cast made under no_grad: one made there has
+        # no graph, and a later call with gradients that reused it would give its weight
+        # none (HRM runs its early cycles under no_grad; the trace then saved fewer tensors
+        # than the checkpointed recomputation, which raised).
+        if self._caching and torch.is_grad_enabled() and value.is_leaf and value.requires_grad:
             key = id(value)
             if key not in self._cache:
                 with torch._C.DisableTorchFunction():

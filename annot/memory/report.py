@@ -176,6 +176,9 @@ class MemoryReport:
     unavailable: tuple[tuple[str, str], ...] = ()
     #: The GPU kind whose reserve table applied (`annot.memory.gpu_kinds`).
     gpu_kind: str = DEFAULT_GPU
+    #: What the trace assumed of values it could not know (balanced routing, the
+    #: inputs' values: `annot.memory.routing_values`), printed under the table.
+    assumptions: tuple[str, ...] = ()
 
     def row(self, key: str) -> StrategyRow:
         return next(r for r in self.rows if r.key == key)
@@ -226,6 +229,7 @@ class MemoryReport:
         lines.append(f"recommendation: {self.reason}")
         if self.call is not None:
             lines.append(f"  {self.call}")
+        lines.extend(f"note: {text}" for text in self.assumptions)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -484,7 +488,7 @@ def estimate_memory(
     user_ds = read_deepspeed_config(deepspeed_config) if deepspeed_config is not None else None
     ddp = ddp_strategy(ddp_options)
     styles, unavailable = _tensor_parallel_styles(model, tp_plan, network)
-    rows, activations, strategies = _rows(
+    rows, activations, strategies, assumptions = _rows(
         model, plan, network=network, batch=batch, seq=seq, precision=precision,
         optimizer=optimizer, gpu_mem=gpu_mem, host_mem=host_mem, margin=margin, reserve=reserve,
         inputs=inputs, styles=styles, cp=tuple(cp), user_ds=user_ds, ddp=ddp, kind=kind,
@@ -503,7 +507,7 @@ def estimate_memory(
         activations=activations, rows=tuple(rows), recommendation=key, checkpoint=checkpoint,
         reason=reason, network=network,
         call=strategies[key].call(precision, checkpoint) if key is not None else None,
-        unavailable=unavailable,
+        unavailable=unavailable, assumptions=assumptions,
     )
 
 
@@ -528,6 +532,13 @@ def _tensor_parallel_styles(model: nn.Module, tp_plan: dict[str, str] | None,
     return styles, ()
 
 
+#: Said under the table of a mixture-of-experts model traced without reading a value.
+MOE_COUNTED = (
+    "mixture of experts: the trace read no routing value, so the experts' activations it "
+    "counted are the same whichever experts the tokens choose (no capacity factor: "
+    "transformers' experts drop no token)")
+
+
 def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: int,
           precision: str, optimizer: str, gpu_mem: int, host_mem: int, margin: float,
           reserve: int | None, inputs: InputsFn | None, styles: dict[str, str],
@@ -535,7 +546,7 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
           cp_attention: str = "allgather",
           user_ds: UserDeepSpeed | None = None, ddp: Strategy | None = None,
           kind: GpuKind | None = None,
-          ) -> tuple[list[StrategyRow], ActivationEstimate, dict[str, Strategy]]:
+          ) -> tuple[list[StrategyRow], ActivationEstimate, dict[str, Strategy], tuple[str, ...]]:
     gpus, world = network.gpus_per_node, network.world
     half = torch.float16 if precision == "fp16-mixed" else torch.bfloat16
     activations = fast_trace_activations(model, plan, batch=batch, seq=seq,
@@ -604,7 +615,11 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
             fits=fits(plain), fits_checkpointed=fits(ckpt), detail=plain, detail_checkpointed=ckpt,
             time=times[0], time_checkpointed=times[1],
         ))
-    return rows, activations, {s.key: s for s in chosen}
+    said = [activations.assumption, *(t.assumption for t in traces.values())]
+    assumptions = tuple(dict.fromkeys(text for text in said if text))
+    if plan.moe and not assumptions:
+        assumptions = (MOE_COUNTED,)
+    return rows, activations, {s.key: s for s in chosen}, assumptions
 
 
 def _preference(cp: tuple[int, ...]) -> tuple[tuple[str, bool], ...]:

@@ -181,7 +181,8 @@ def fast_trace_activations(model: nn.Module, plan: Plan | None, *, batch: int, s
     return ActivationEstimate(
         batch=batch, seq=seq, saved=_linear(two.saved, three.saved, stack.count),
         saved_checkpointed=_linear(two.saved_checkpointed, three.saved_checkpointed, stack.count),
-        recompute_peak=max(per_unit.values(), default=0), per_unit=per_unit)
+        recompute_peak=max(per_unit.values(), default=0), per_unit=per_unit,
+        assumption=two.assumption or three.assumption)
 
 
 def fast_trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, checkpoint: bool,
@@ -224,7 +225,7 @@ def fast_trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int
         batch=batch, seq=seq, checkpoint=three.checkpoint, peak=peak,
         peak_with_grads=max(peak, _linear(two.peak_with_grads, three.peak_with_grads, stack.count)),
         grads=_linear(two.grads, three.grads, stack.count), segments=segments,
-        flops=_linear(two.flops, three.flops, stack.count))
+        flops=_linear(two.flops, three.flops, stack.count), assumption=two.assumption or three.assumption)
 
 
 def _shard_paths(plan: Plan) -> list[str]:
@@ -518,4 +519,4 @@ def _summed(laid_out: list[_Delta], cut: StepTrace, full: dict[tuple[str, int | 
         end, grads, flops = end + stop, grads + added_grads, flops + added_flops
     return StepTrace(batch=cut.batch, seq=cut.seq, checkpoint=cut.checkpoint,
                      peak=max(s[2] for s in segments), peak_with_grads=peak_with_grads, grads=grads,
-                     segments=tuple(segments), flops=flops)
+                     segments=tuple(segments), flops=flops, assumption=cut.assumption)

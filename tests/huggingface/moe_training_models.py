@@ -56,10 +56,24 @@ MOE_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+#: A model of the user's own built from transformers' Mixtral MoE block
+#: (tests/huggingface/own_moe_model.py): no ``ep_plan``, no load-balancing loss.
+OWN_MOE = "own_mixtral"
+#: The models whose loss carries the load-balancing term.
+AUX_LOSS = ("mixtral", "qwen3_moe", "gpt_oss")
+
+
 def build(name: str) -> torch.nn.Module:
-    """The model ``name`` from ``SEED``, eagerly, in training mode."""
+    """The model ``name`` (a key of `MOE_MODELS`, or `OWN_MOE`) from ``SEED``, eagerly,
+    in training mode."""
     import transformers
 
+    if name == OWN_MOE:
+        from tests.huggingface.own_moe_model import OwnMoe
+
+        options = {k: v for k, v in MOE_MODELS["mixtral"][2].items() if k not in _AUX}
+        torch.manual_seed(SEED)
+        return OwnMoe(transformers.MixtralConfig(**options)).train()
     config_class, model_class, options = MOE_MODELS[name]
     config = getattr(transformers, config_class)(**options)
     torch.manual_seed(SEED)

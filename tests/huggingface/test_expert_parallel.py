@@ -64,6 +64,50 @@ def test_a_model_without_an_ep_plan_is_refused():
         resolve_expert_plan(model, 2)
 
 
+def _own(**changes) -> torch.nn.Module:
+    from tests.huggingface.moe_training_models import OWN_MOE, build
+
+    with annot.meta_init():
+        return build(OWN_MOE)
+
+
+def test_a_model_of_ones_own_is_split_where_annots_rule_finds_experts():
+    # Not a transformers model: no ep_plan; its experts are found by shape (3-D stacks).
+    plan = resolve_expert_plan(_own(), 2)
+    assert plan.experts == {"h.0.moe.experts": 4, "h.1.moe.experts": 4}
+    assert set(plan.stacks) == {f"h.{i}.moe.experts.{n}" for i in (0, 1) for n in ("gate_up_proj", "down_proj")}
+
+
+def test_a_model_of_ones_own_may_name_its_experts_with_an_ep_plan():
+    model = _own()
+    model.ep_plan = {"h.0.moe.experts": "ep_dispatch_experts", "h.0.moe.experts.*": "grouped_gemm"}
+    plan = resolve_expert_plan(model, 2)
+    assert plan.experts == {"h.0.moe.experts": 4}
+    assert set(plan.stacks) == {"h.0.moe.experts.gate_up_proj", "h.0.moe.experts.down_proj"}
+
+
+class _CountSplitExperts(torch.nn.Module):
+    """Stacked experts called with per-expert token counts (torchtitan's GroupedExperts
+    takes ``(x, num_tokens_per_expert)``): not transformers' contract."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.zeros(4, 8, 8))
+
+    def forward(self, x, num_tokens_per_expert):
+        return x
+
+
+def test_experts_of_ones_own_that_break_transformers_contract_are_refused():
+    model = _own()
+    model.h[1].moe.experts = _CountSplitExperts()
+    with pytest.raises(ValueError, match=r"h\.1\.moe\.experts \(_CountSplitExperts\) has no integer "
+                                         r"num_experts; h\.1\.moe\.experts\.forward takes \(x, "
+                                         r"num_tokens_per_expert\), not \(hidden_states, top_k_index, "
+                                         r"top_k_weights\)"):
+        resolve_expert_plan(model, 2)
+
+
 def test_a_style_annot_does_not_apply_is_refused():
     model = _meta("mixtral")
     model.ep_plan = {**model.ep_plan, "model.layers.*.mlp.gate": "colwise"}

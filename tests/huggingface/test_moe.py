@@ -20,6 +20,7 @@ import torch
 import annot
 from tests.distributed import torchrun
 from tests.huggingface.moe_training_models import (
+    AUX_LOSS,
     CLIP_NORM,
     GRAD_ATOL,
     LOSS_RTOL,
@@ -34,7 +35,7 @@ WORKER = Path(__file__).with_name("moe_worker.py")
 # The default lane: the two families the issue names first, each engine once, with and
 # without checkpointing (one launch). Every other pair is in the sweep lane.
 DEFAULT_PAIRS = ("fsdp2-checkpoint:mixtral", "zero3:mixtral", "zero3:qwen3_moe",
-                 "fsdp2-ep-checkpoint:qwen3_moe", "fsdp2-ep-clip:mixtral")
+                 "fsdp2-ep-checkpoint:qwen3_moe", "fsdp2-ep-clip:mixtral", "fsdp2-ep:own_mixtral")
 #: Launched with the default pairs (one launch): `test_expert_parallel_training_resumes...`.
 RESUME_PAIR = "fsdp2-ep-resume:qwen3_moe"
 SWEEP_PAIRS = tuple(
@@ -85,7 +86,7 @@ def _compare(results: dict, pair: str, world: int = 2) -> None:
         assert got["experts"] and all(n == 4 and "ep" not in (names or ()) for n, names in got["experts"].values()), pair
     if scenario.startswith("zero3"):  # each MoE block gathered whole
         assert got["leaves"] == ["model.layers.0.mlp", "model.layers.1.mlp"], pair
-    if name != "deepseek_v3":  # the load-balancing loss is in the loss trained
+    if name in AUX_LOSS:  # the load-balancing loss is in the loss trained
         assert all(aux is not None and aux > 0 for aux in got["aux"]), f"{pair}: no aux loss"
     for step, (grads, expected) in enumerate(zip(got["grads"], want["grads"], strict=True)):
         assert grads.keys() == expected.keys(), f"{pair}: parameter names differ"

@@ -227,11 +227,11 @@ def test_the_trace_runs_without_a_cache_as_training_does():
     assert estimate.saved > 0
 
 
-def test_a_forward_that_reads_a_value_is_refused_with_the_reason(tmp_path, capsys):
+def test_a_forward_that_reads_a_value_of_its_weights_is_refused_with_the_reason(tmp_path, capsys):
     from annot.cli.main import main
 
     source = tmp_path / "reads.py"
-    # Reads a tensor's value, as XLM's forward asserts ``lengths.max().item() <= slen``.
+    # Reads a value the weights decide: no trace without data can know it.
     source.write_text(
         "from torch import nn\nimport annot\n\n"
         "@annot.shard_block\nclass Block(nn.Linear):\n    pass\n\n"
@@ -240,12 +240,43 @@ def test_a_forward_that_reads_a_value_is_refused_with_the_reason(tmp_path, capsy
         "        super().__init__()\n"
         "        self.embed, self.block = nn.Embedding(11, 8), Block(8, 8)\n\n"
         "    def forward(self, input_ids=None):\n"
-        "        assert input_ids.max().item() < 11\n"
-        "        return self.block(self.embed(input_ids)).sum()\n")
+        "        h = self.embed(input_ids)\n"
+        "        assert h.abs().max().item() < 1e6\n"
+        "        return self.block(h).sum()\n")
     assert main(["plan", f"{source}:ReadsAValue", "--memory", "--seq", "8"]) == 2
     err = capsys.readouterr().err
     assert "ReadsAValue.forward reads a tensor's value" in err
     assert "annot plan without --memory works" in err
+
+
+def test_a_forward_that_splits_tokens_by_expert_counts_is_planned_under_balanced_routing(tmp_path, capsys):
+    from annot.cli.main import main
+
+    source = tmp_path / "routes.py"
+    # Routes each token to its top-2 of 4 experts and splits the tokens by the counts
+    # (.tolist()), as JetMoE does.
+    source.write_text(
+        "import torch\nfrom torch import nn\nimport annot\n\n"
+        "@annot.shard_block\nclass Experts(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.router, self.experts = nn.Linear(8, 4), nn.ModuleList(nn.Linear(8, 8) for _ in range(4))\n\n"
+        "    def forward(self, h):\n"
+        "        flat = h.reshape(-1, 8)\n"
+        "        chosen = self.router(flat).topk(2, dim=-1).indices.flatten()\n"
+        "        order = chosen.argsort()\n"
+        "        counts = torch.bincount(chosen, minlength=4).tolist()\n"
+        "        parts = flat[order // 2].split(counts)\n"
+        "        return torch.cat([e(p) for e, p in zip(self.experts, parts)]).sum()\n\n"
+        "class Routes(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed, self.moe = nn.Embedding(11, 8), Experts()\n\n"
+        "    def forward(self, input_ids=None):\n"
+        "        return self.moe(self.embed(input_ids))\n")
+    assert main(["plan", f"{source}:Routes", "--memory", "--seq", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "note: traced under balanced routing" in out
 
 
 class _StoresItsState(torch.nn.Module):

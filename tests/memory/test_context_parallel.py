@@ -33,7 +33,7 @@ class Rows:
 
         with torch.device("meta"):
             model = GPT(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=SEQ)
-        self.rows, _, _ = _rows(
+        self.rows, _, _, _ = _rows(
             model, make_plan(model), network=Network(gpus_per_node=4, nodes=1), batch=2, seq=SEQ,
             precision="fp32", optimizer="adamw", gpu_mem=GiB, host_mem=GiB, margin=0.1, reserve=0,
             inputs=None, styles={}, keys=("fsdp2-cp2", "fsdp2-cp4"), cp=(2, 4))
@@ -157,7 +157,7 @@ def test_a_ulysses_row_holds_no_gathered_keys_and_passes_its_option():
 
     with torch.device("meta"):
         model = GPT(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=SEQ)
-    rows, _, _ = _rows(
+    rows, _, _, _ = _rows(
         model, make_plan(model), network=Network(gpus_per_node=2, nodes=1), batch=2, seq=SEQ,
         precision="fp32", optimizer="adamw", gpu_mem=GiB, host_mem=GiB, margin=0.1, reserve=0,
         inputs=None, styles={}, keys=("fsdp2-cp2",), cp=(2,), cp_attention="ulysses")

@@ -67,3 +67,51 @@ def test_a_trace_after_deepspeeds_linear_patch_counts_as_with_torchs(monkeypatch
     patched = trace_step(model, None, **common)
     assert F.linear is zero3_linear_wrap  # put back after the trace
     assert (patched.peak, patched.segments) == (plain.peak, plain.segments)
+
+
+def test_a_cast_made_under_no_grad_is_not_reused_with_gradients():
+    # As torch's autocast (checked on the CPU's here): a weight first used under no_grad
+    # still gets its gradient from a later call with gradients (HRM's cycles).
+    def weight_gets_a_gradient(region) -> bool:
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4)
+        x = torch.randn(2, 4, requires_grad=True)
+        with region():
+            with torch.no_grad():
+                lin(x)
+            y = lin(x)
+        y.float().sum().backward()
+        return lin.weight.grad is not None
+
+    assert weight_gets_a_gradient(lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    assert weight_gets_a_gradient(lambda: CudaAutocast(torch.bfloat16))
+
+
+def test_a_checkpointed_block_run_under_no_grad_before_is_traced_under_the_gpu_rules():
+    import annot
+
+    @annot.shard_block
+    @annot.checkpoint_block
+    class Block(nn.Sequential):
+        pass
+
+    class Cycles(nn.Module):
+        """Two no_grad cycles of a block, then one with gradients (HRM's shape)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.block = nn.Embedding(11, 8), Block(nn.Linear(8, 8), nn.GELU())
+
+        def forward(self, input_ids=None):
+            h = self.embed(input_ids)
+            with torch.no_grad():
+                for _ in range(2):
+                    h = self.block(h)
+            return self.block(h).float().sum()
+
+    model = Cycles()
+    plan = annot.plan(model)
+    assert plan.paths("checkpoint") == ["block"]
+    trace = trace_step(model, plan, batch=1, seq=4, checkpoint=True, autocast=torch.bfloat16, gpu_rules=True)
+    # The block's weights get gradients (the embedding's output went through no_grad).
+    assert trace.grads == sum(p.numel() * 4 for p in model.block.parameters())
