@@ -29,6 +29,7 @@ reads values is traced under the assumption, and its table says so.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -54,8 +55,10 @@ INPUT_ASSUMPTION = (
     "its inputs (a length, a count of some token), which the trace takes from its token "
     "ids: no padding, no special tokens")
 
-#: The most elements a shadow holds (int64: 128 MiB); a larger result goes unshadowed.
-SHADOW_LIMIT = 1 << 24
+#: The most elements a shadow holds (int64: 512 MiB, held while its fake tensor lives); a
+#: larger result goes unshadowed. LongCat-Flash's expert mask at 2,048 tokens (top-12 of
+#: 768 experts and identities) is 19M elements.
+SHADOW_LIMIT = 1 << 26
 
 _DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException")
 
@@ -100,6 +103,9 @@ class ValueShadows(TorchDispatchMode):
         super().__init__()
         self.limit = limit
         self._shadows: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        # Storage -> the shadowed fakes on it (by id, weakly): an in-place write finds the
+        # aliases it makes stale without scanning every shadow.
+        self._by_storage: dict[int, dict[int, weakref.ref[torch.Tensor]]] = {}
         # The shadows that follow from the routing assumption (the rest: from the inputs).
         self._routed: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._reads = {"routing": False, "inputs": False}
@@ -125,16 +131,21 @@ class ValueShadows(TorchDispatchMode):
         reals, _ = tree_flatten(real)
         for f, r in zip(fakes, reals, strict=False):
             if isinstance(f, torch.Tensor) and isinstance(r, torch.Tensor) and f.shape == r.shape:
-                self._shadows[f] = r
+                self._keep(f, r)
                 if routed:
                     self._routed[f] = True
 
+    def _keep(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        self._shadows[fake] = real
+        self._by_storage.setdefault(_storage_key(fake), {})[id(fake)] = weakref.ref(fake)
+
     def _forget(self, t: torch.Tensor) -> None:
         """Drop the shadows of ``t`` and of every alias of its storage."""
-        key = _storage_key(t)
-        for fake in [f for f in self._shadows.keys() if _storage_key(f) == key]:  # noqa: SIM118
-            del self._shadows[fake]
-            self._routed.pop(fake, None)
+        for ref in self._by_storage.pop(_storage_key(t), {}).values():
+            fake = ref()
+            if fake is not None:
+                self._shadows.pop(fake, None)
+                self._routed.pop(fake, None)
 
     def _small(self, out: Any) -> bool:
         leaves, _ = tree_flatten(out)
@@ -163,7 +174,7 @@ class ValueShadows(TorchDispatchMode):
         if dim is None or indices.dim() == 0:  # over all elements: one index
             if indices.dim() == 0:
                 with no_dispatch():
-                    self._shadows[indices] = torch.zeros((), dtype=indices.dtype)
+                    self._keep(indices, torch.zeros((), dtype=indices.dtype))
                 self._routed[indices] = True
             return
         if not isinstance(dim, int) or indices.numel() > self.limit:
@@ -179,7 +190,7 @@ class ValueShadows(TorchDispatchMode):
                 flat = flat % max(choices, 1)
             else:
                 flat = torch.arange(k, dtype=torch.long).expand(flat.shape[0], k)
-            self._shadows[indices] = flat.reshape(moved).movedim(-1, dim).to(indices.dtype).contiguous()
+            self._keep(indices, flat.reshape(moved).movedim(-1, dim).to(indices.dtype).contiguous())
         self._routed[indices] = True
 
     # -- the mode ----------------------------------------------------------------------

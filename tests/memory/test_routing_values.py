@@ -153,3 +153,20 @@ def test_the_memory_table_says_what_routing_it_assumed(model_type, note):
     report = estimate_memory(_tiny(model_type), gpus=1, batch=1, seq=16)
     assert report.assumptions == (note,)
     assert report.table().splitlines()[-1] == f"note: {note}"
+
+
+@pytest.mark.sweep
+def test_longcat_flash_s_expert_count_traces_at_the_default_sequence():
+    # 512 routed experts, 256 identities, top-12 at 2,048 tokens: the expert mask the
+    # per-expert loop reads has 19M elements (SHADOW_LIMIT must hold it). About a minute.
+    import annot
+
+    transformers = pytest.importorskip("transformers")
+    from tests.huggingface.sweep_configs import tiny_config
+
+    config = tiny_config("longcat_flash")
+    config.n_routed_experts, config.zero_expert_num, config.num_experts_per_tok = 512, 256, 12
+    with annot.meta_init():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    trace = trace_step(model, None, batch=1, seq=2048, checkpoint=False)
+    assert trace.assumption == ROUTING_ASSUMPTION and trace.peak > 0
