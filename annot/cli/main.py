@@ -284,7 +284,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 raise
             report = estimate(FALLBACK_PRECISION)
             notes.append(f"{type(model).__name__}.forward fails with 16-bit parameters "
-                         f"({_first_line(exc)}), which the default --precision {args.precision} "
+                         f"({type(exc).__name__}: {_first_line(exc)}), which the default --precision {args.precision} "
                          f"gives it: planned with --precision {FALLBACK_PRECISION} instead (fp32 "
                          "parameters and states, bf16 autocast); --precision chooses")
             args.precision = FALLBACK_PRECISION
@@ -353,10 +353,6 @@ DEFAULT_SEQ = 2048
 _POSITION_LIMITS = ("max_position_embeddings", "n_positions", "n_ctx")
 
 
-#: What a forward does that a trace without data cannot follow (torch's fake tensors).
-_DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException")
-
-
 DEFAULT_PRECISION = "bf16-mixed"
 #: What ``annot plan --memory`` plans a model with when it fails with 16-bit parameters
 #: and --precision was not given (xLSTM: its chunked kernel multiplies fp32 gates by
@@ -366,7 +362,7 @@ _SIXTEEN_BIT = ("bf16-mixed", "fp16-mixed", "bf16")
 
 
 def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    return (str(exc).strip().splitlines() or [""])[0]
 
 
 def fails_in_16_bit(exc: BaseException, precision: str) -> bool:
@@ -383,9 +379,11 @@ def trace_failure(model, exc: Exception, precision: str = "fp32") -> str:
     it, and the message says so rather than leave a torch internal to decode; a dtype
     error under a 16-bit ``precision`` names the setting (the trace casts parameters as
     mixed precision computes, and some models fail so for real: xLSTM)."""
+    from annot.memory.routing_values import reads_values
+
     name = type(model).__name__
-    first = (str(exc).strip().splitlines() or [""])[0]
-    if type(exc).__name__ in _DATA_DEPENDENT:
+    first = _first_line(exc)
+    if reads_values(exc):
         return (f"{name}.forward reads a tensor's value ({first}: e.g. .item() or a size "
                 "that depends on the data), which the --memory trace cannot know: it traces "
                 "shapes, not values. annot plan without --memory works, and so does training; "

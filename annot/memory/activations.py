@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from annot.huggingface.model import training_forward_kwargs
+from annot.memory.counting import storage_key
 from annot.memory.routing_values import ValueShadows, reads_values
 from annot.policies import Action, Plan
 
@@ -60,10 +60,6 @@ class ActivationEstimate:
     @property
     def checkpointed_peak(self) -> int:
         return self.saved_checkpointed + self.recompute_peak
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return StorageWeakRef(t.untyped_storage()).cdata
 
 
 def default_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -148,7 +144,7 @@ def _trace_activations(model: nn.Module, plan: Plan | None, *, batch: int, seq: 
         with values:
             args, kwargs = (inputs or default_inputs)(model, batch, seq)
     state = {**params, **buffers}
-    param_keys = {_storage_key(t) for t in params.values()}  # model states, not activations
+    param_keys = {storage_key(t) for t in params.values()}  # model states, not activations
 
     # Which checkpointed unit is running (innermost), and what each saved storage costs
     # and who saved it.
@@ -158,7 +154,7 @@ def _trace_activations(model: nn.Module, plan: Plan | None, *, batch: int, seq: 
     unit_inputs: dict[str, set[int]] = {path: set() for path in checkpointed}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in param_keys:
             sizes[key] = t.untyped_storage().nbytes()
             savers.setdefault(key, set()).add(active[-1] if active else OUTSIDE)
@@ -170,7 +166,7 @@ def _trace_activations(model: nn.Module, plan: Plan | None, *, batch: int, seq: 
             # Nested too: decoder layers take (cos, sin) tuples, caches, ...
             for value in tree_leaves((args, kwargs)):
                 if isinstance(value, torch.Tensor):
-                    key = _storage_key(value)
+                    key = storage_key(value)
                     sizes.setdefault(key, value.untyped_storage().nbytes())
                     unit_inputs[path].add(key)
         return hook

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -49,7 +48,7 @@ from annot.memory.activations import (
     default_inputs,
     fake_copy,
 )
-from annot.memory.counting import FlopCount
+from annot.memory.counting import FlopCount, storage_key
 from annot.memory.strategies import MemoryInputError
 from annot.runtime.selective_checkpoint import matmul_ops
 
@@ -147,10 +146,6 @@ def choice_seconds(block: BlockProfile, choice: str, dev: Device) -> float:
     return recompute + max(0.0, transfer - forward) + max(0.0, transfer - 2 * forward)
 
 
-def _key(t: torch.Tensor) -> int:
-    return StorageWeakRef(t.untyped_storage()).cdata
-
-
 class _Recorder(TorchDispatchMode):
     """Per block: FLOPs, matmul FLOPs, matmul output storages and other operations'
     output bytes, of what runs while the block is active (``active`` names it)."""
@@ -175,7 +170,7 @@ class _Recorder(TorchDispatchMode):
         if func._overloadpacket in matmul_ops():
             block["matmul_flops"] += flops
             for t in outputs:
-                block["matmul_keys"][_key(t)] = t.untyped_storage().nbytes()
+                block["matmul_keys"][storage_key(t)] = t.untyped_storage().nbytes()
                 # Held until the profile ends: a storage freed within the block could
                 # be reused at the same address by a later matmul output and counted
                 # once for two (the whole model's profile and a cut one's differed so).
@@ -192,13 +187,13 @@ def profile_blocks(model: nn.Module, paths: list[str], *, batch: int, seq: int,
     training-mode forward and loss of ``model`` under ``FakeTensorMode`` (nothing is
     allocated; ``model`` is not modified), and the bytes saved outside every block."""
     copy, fake_mode = fake_copy(model, dtype)
-    params = {_key(p) for p in copy.parameters()}
+    params = {storage_key(p) for p in copy.parameters()}
     recorder = _Recorder(FlopCount())
     saved: dict[int, tuple[int, str]] = {}  # storage -> (bytes, first saver; "" outside)
     block_inputs: dict[str, dict[int, int]] = {p: {} for p in paths}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _key(t)
+        key = storage_key(t)
         if key not in params and key not in saved:
             saved[key] = (t.untyped_storage().nbytes(), recorder.active[-1] if recorder.active else "")
         return t
@@ -207,8 +202,8 @@ def profile_blocks(model: nn.Module, paths: list[str], *, batch: int, seq: int,
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             recorder.active.append(path)
             for value in tree_leaves((args, kwargs)):
-                if isinstance(value, torch.Tensor) and _key(value) not in params:
-                    block_inputs[path][_key(value)] = value.untyped_storage().nbytes()
+                if isinstance(value, torch.Tensor) and storage_key(value) not in params:
+                    block_inputs[path][storage_key(value)] = value.untyped_storage().nbytes()
         return hook
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:

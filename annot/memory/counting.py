@@ -26,10 +26,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["FlopCount", "LiveBytes", "storages_of"]
+__all__ = ["FlopCount", "LiveBytes", "storage_key", "storages_of"]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An id of ``t``'s storage shared by every view of it (fake tensors too)."""
+    return StorageWeakRef(t.untyped_storage()).cdata
 
 
 def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:

@@ -33,11 +33,12 @@ import weakref
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from annot.memory.counting import storage_key
 
 __all__ = ["INPUT_ASSUMPTION", "ROUTING_ASSUMPTION", "SHADOW_LIMIT", "ValueShadows", "reads_values"]
 
@@ -88,10 +89,6 @@ def reads_values(exc: BaseException) -> bool:
     return type(exc).__name__ in _DATA_DEPENDENT
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return StorageWeakRef(t.untyped_storage()).cdata
-
-
 class ValueShadows(TorchDispatchMode):
     """Answer value reads in a fake trace from real shadows (see the module's text).
 
@@ -122,10 +119,6 @@ class ValueShadows(TorchDispatchMode):
         self._reads["routing" if any(t in self._routed for t in tensors) else "inputs"] = True
 
     # -- shadows -----------------------------------------------------------------------
-    def shadow(self, t: torch.Tensor) -> torch.Tensor | None:
-        """``t``'s shadow, or ``None``."""
-        return self._shadows.get(t)
-
     def _attach(self, fake: Any, real: Any, routed: bool) -> None:
         fakes, _ = tree_flatten(fake)
         reals, _ = tree_flatten(real)
@@ -137,11 +130,11 @@ class ValueShadows(TorchDispatchMode):
 
     def _keep(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         self._shadows[fake] = real
-        self._by_storage.setdefault(_storage_key(fake), {})[id(fake)] = weakref.ref(fake)
+        self._by_storage.setdefault(storage_key(fake), {})[id(fake)] = weakref.ref(fake)
 
     def _forget(self, t: torch.Tensor) -> None:
         """Drop the shadows of ``t`` and of every alias of its storage."""
-        for ref in self._by_storage.pop(_storage_key(t), {}).values():
+        for ref in self._by_storage.pop(storage_key(t), {}).values():
             fake = ref()
             if fake is not None:
                 self._shadows.pop(fake, None)
@@ -171,13 +164,12 @@ class ValueShadows(TorchDispatchMode):
         indices = out if position is None else out[position]
         source = args[0]
         dim = _argument(func, args, kwargs, "dim")
-        if dim is None or indices.dim() == 0:  # over all elements: one index
-            if indices.dim() == 0:
-                with no_dispatch():
-                    self._keep(indices, torch.zeros((), dtype=indices.dtype))
-                self._routed[indices] = True
+        if indices.dim() == 0:  # over all elements: one index
+            with no_dispatch():
+                self._keep(indices, torch.zeros((), dtype=indices.dtype))
+            self._routed[indices] = True
             return
-        if not isinstance(dim, int) or indices.numel() > self.limit:
+        if not isinstance(dim, int) or indices.numel() > self.limit:  # None here: over all, keepdim
             return
         dim = dim % indices.dim()
         choices = source.shape[dim] if source.dim() else 1
