@@ -10,7 +10,9 @@ lazy ``_EXPORTS`` table of ``annot/__init__.py`` is not read. It reports:
 - import cycles among annot's own modules (strongly connected components of more than
   one module, and any module that imports itself), with the edges that form them;
 - direction violations: ``annot.policies`` importing annot outside ``annot.policies``, or
-  ``torch.distributed``, ``deepspeed``, ``transformers``, ``peft``; ``annot.rewriter``
+  ``torch.distributed``, ``deepspeed``, ``transformers``, ``peft``; ``annot.checkpoint_io``
+  importing a format package (``annot.huggingface``, ``annot.formats``, ``transformers``,
+  ``peft``, ``diffusers``); ``annot.rewriter``
   importing anything but ``annot.rewriter``, ``libcst`` and the standard library; the old
   top-level names ``policies`` / ``rewriter``; a lower layer of `LAYERS` importing a
   higher one; a module `LAYERS` does not place;
@@ -45,13 +47,14 @@ PACKAGE = "annot"
 # root "annot" matches itself only. Keep this table and docs/design.md in step.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("policies, rewriter", ("annot.policies", "annot.rewriter")),
-    ("errors, _progress, _version, _deprecation, markers, planning, module_state, devices, host_memory, process_group, data_loading",
+    ("errors, _progress, _version, _deprecation, markers, planning, freezing, module_state, devices, host_memory, process_group, data_loading",
      ("annot.errors", "annot._progress", "annot._version", "annot._deprecation", "annot.markers",
-      "annot.planning", "annot.module_state", "annot.devices", "annot.host_memory",
+      "annot.planning", "annot.freezing", "annot.module_state", "annot.devices", "annot.host_memory",
       "annot.process_group", "annot.data_loading")),
     ("huggingface detection", ("annot.huggingface",)),
     ("runtime, meta", ("annot.runtime", "annot.meta")),
     ("checkpoint_io", ("annot.checkpoint_io",)),
+    ("formats", ("annot.formats",)),
     ("engines", ("annot.engines", "annot.engines.tensor_parallel")),
     ("wrap, values", ("annot.wrap", "annot.values", "annot.training_state")),
     ("huggingface.pretrained", ("annot.huggingface.pretrained",)),
@@ -68,6 +71,10 @@ POLICIES = "annot.policies"
 REWRITER = "annot.rewriter"
 ENGINES = "annot.engines"
 POLICIES_FORBIDDEN = ("torch.distributed", "deepspeed", "transformers", "peft")
+# The generic loader and saver know no checkpoint format: a format reaches them as data
+# (annot.checkpoint_io.formats.CheckpointFormat) from the adapters of annot.formats.
+CHECKPOINT_IO = "annot.checkpoint_io"
+FORMAT_PACKAGES = ("annot.huggingface", "annot.formats", "transformers", "peft", "diffusers")
 REWRITER_ALLOWED_EXTERNAL = ("libcst",)
 ENGINE_INTERNALS = ("deepspeed", "torch.distributed.fsdp")
 # The engines annot wraps. One engine's modules are annot.engines.<name> and
@@ -318,6 +325,11 @@ def check(root: Path) -> tuple[list[str], list[str], list[str], list[str]]:
             if not allowed:
                 violations.append(f"{where}: rewriter imports {dst}: only annot.rewriter, "
                                   f"libcst and the standard library ({imp.text})")
+        elif under(src, CHECKPOINT_IO) and any(under_any(n, FORMAT_PACKAGES) for n in imp.names):
+            violations.append(f"{where}: checkpoint_io imports {dst}: the generic loader and "
+                              f"saver import no format package (annot.huggingface, "
+                              f"annot.formats, transformers, peft, diffusers); a format "
+                              f"reaches them as a CheckpointFormat ({imp.text})")
         elif internal and dst in known:
             src_layer, dst_layer = layer_of(src), layer_of(dst)
             if src_layer is not None and dst_layer is not None and src_layer < dst_layer:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         PolicySelectionError,
         ProcessGroupNotInitializedError,
     )
+    from annot.freezing import freeze
     from annot.huggingface.pretrained import PretrainedPathError, from_pretrained
     from annot.markers import checkpoint_block, get_mark, mark, offload_block, shard_block, unmark
     from annot.memory import BudgetAnswer, BudgetError, estimate_memory, fit_budget
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
         Policy,
         by_class,
         by_name,
+        by_role,
         by_size,
         every_nth,
         marked,
@@ -62,6 +64,7 @@ _EXPORTS = {
     "Policy": "annot.policies",
     "by_class": "annot.policies",
     "by_name": "annot.policies",
+    "by_role": "annot.policies",
     "by_size": "annot.policies",
     "every_nth": "annot.policies",
     "marked": "annot.policies",
@@ -75,6 +78,7 @@ _EXPORTS = {
     "shard_block": "annot.markers",
     "unmark": "annot.markers",
     "plan": "annot.planning",
+    "freeze": "annot.freezing",
     "meta_init": "annot.meta.deferred",
     "build": "annot.meta.deferred",
     "register_init": "annot.meta.deferred",
@@ -140,6 +144,7 @@ __all__ = [
     "auto_wrap",
     "by_class",
     "by_name",
+    "by_role",
     "build",
     "by_size",
     "checkpoint_block",
@@ -148,6 +153,7 @@ __all__ = [
     "estimate_memory",
     "every_nth",
     "fit_budget",
+    "freeze",
     "fsdp1_policies",
     "from_pretrained",
     "init_distributed",

@@ -44,6 +44,9 @@ class ModuleState:
     activation_offloader: Any = None
     #: The hook passing ``use_cache=False`` to a transformers model's training forwards.
     no_cache_hook: Any = None
+    #: `annot.huggingface.modality_standin.ModalityStandIns` hooked onto a transformers
+    #: model with a tower (``False``: looked for, none needed).
+    stand_ins: Any = None
     #: What the code that built this root decided and its Plan must say (added to the
     #: Plan's warnings by `annot.plan` and `annot.auto_wrap`), e.g. the parameters
     #: `annot.from_pretrained` trains though their constructor froze them.

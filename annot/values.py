@@ -19,6 +19,7 @@ from annot.checkpoint_io import loading, saving
 from annot.checkpoint_io.loading import LoadReport
 from annot.engines.base import Trainable
 from annot.engines.layout import after_write, shard_layout
+from annot.formats.choice import PeftExport, checkpoint_source, save_format
 from annot.meta import materialization
 
 __all__ = ["load", "materialize", "save"]
@@ -47,26 +48,34 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
          device: torch.device | str | None = None, dcp: bool = False,
          prefix: str | None = None, mmap: bool = False) -> LoadReport:
     """Load a checkpoint into ``model``, each rank reading only the rows it keeps
-    (`annot.checkpoint_io.loading.load`): safetensors, the model of an `annot.save_state`
-    training state, or (``dcp=True``) a torch distributed checkpoint whose keys carry
-    ``prefix`` (found from the keys if not given). ``mmap=True`` maps safetensors into a
-    meta model instead of reading them (copy-on-write; the files must not change while
-    the model lives)."""
-    report = loading.load(model, path, strict=strict, device=device, layout=shard_layout(model),
-                          dcp=dcp, prefix=prefix, mmap=mmap)
+    (`annot.checkpoint_io.loading.load`): safetensors in the format of the model's
+    library (`annot.formats.choice.checkpoint_source`: annot's own, transformers', PEFT
+    over its base model's, diffusers', the denoiser of a diffusers pipeline folder), the
+    model of an `annot.save_state` training state, or (``dcp=True``) a torch distributed
+    checkpoint whose keys carry ``prefix`` (found from the keys if not given).
+    ``mmap=True`` maps safetensors into a meta model instead of reading them
+    (copy-on-write; the files must not change while the model lives)."""
+    layout = shard_layout(model)
+    source = checkpoint_source(layout.bare_model(model), path)
+    report = loading.load(model, source.path, strict=strict, device=device, layout=layout,
+                          dcp=dcp, prefix=prefix, mmap=mmap, format=source.format)
     after_write(model)
     return report
 
 
 def save(model: nn.Module | Trainable, directory: str | os.PathLike[str], *,
          max_shard_bytes: int = saving.DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None,
-         overwrite: bool = False, peft: saving.PeftFormat | None = None) -> list[Path]:
-    """Write ``model`` (plain, FSDP2, FSDP1 or ZeRO-3) as HuggingFace-compatible
-    safetensors, gathering one tensor at a time; a PEFT model as its adapter or merged
-    (``peft=``) (`annot.checkpoint_io.saving.save`)."""
+         overwrite: bool = False, peft: PeftExport | None = None) -> list[Path]:
+    """Write ``model`` (plain, FSDP2, FSDP1 or ZeRO-3) as safetensors in its library's
+    layout (transformers' and annot's own names; a diffusers model as diffusers writes
+    it), each rank writing its own rows or one tensor gathered at a time; a PEFT model as
+    its adapter or merged (``peft=``) (`annot.checkpoint_io.saving.save`,
+    `annot.formats.choice.save_format`)."""
     target = saved_module(model)
+    layout = shard_layout(target)
+    format = save_format(layout.bare_model(target), peft)
     return saving.save(target, directory, max_shard_bytes=max_shard_bytes, dtype=dtype,
-                       overwrite=overwrite, peft=peft, layout=shard_layout(target))
+                       overwrite=overwrite, layout=layout, format=format)
 
 
 def saved_module(model: nn.Module | Trainable) -> nn.Module:

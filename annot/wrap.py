@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch import nn
 
 from annot._deprecation import moved_attribute
+from annot.checkpoint_io.formats import CheckpointSource
 from annot.checkpoint_io.loading import check_compatible, load_logged
 from annot.devices import choose_device
 from annot.engines import checks
 from annot.engines.base import OptimizerFactory, Trainable, WrapRequest
 from annot.engines.registry import get_engine
+from annot.formats.choice import checkpoint_source
 from annot.huggingface.model import prepare_for_training
 from annot.meta.deferred import deferred_init_of
 from annot.planning import resolve_plan
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["auto_wrap"]
 
 PolicyLike = Policy | Rule | Plan | None
-PathLike = str | os.PathLike[str]
+PathLike = str | os.PathLike[str] | CheckpointSource
 
 
 @overload
@@ -93,7 +94,9 @@ def auto_wrap(
             Given, the result is a `Trainable` with the same ``backward``/``step``/
             ``zero_grad`` for every engine, so the training loop does not branch.
         load_from: a checkpoint `annot.load` reads (each sharded rank reads only the rows
-            it keeps; the initialization of what it provides never runs).
+            it keeps; the initialization of what it provides never runs), in the format
+            of the model's library (`annot.formats.choice.checkpoint_source`), or a
+            `CheckpointSource` naming the format.
         mmap: map ``load_from``'s tensors instead of reading them (`annot.load`'s
             ``mmap``: CPU, FSDP2, DDP or no engine; the files must not change while the
             model lives).
@@ -121,8 +124,8 @@ def auto_wrap(
     opts = steps.options(options, **engine_options)
     deferred = _deferred(model)
     plan = resolve_plan(model, policy)                            # 2. the Plan
-    request = WrapRequest(plan, choose_device(device), deferred,
-                          Path(load_from) if load_from is not None and deferred else None, mmap)
+    source = checkpoint_source(model, load_from) if load_from is not None else None
+    request = WrapRequest(plan, choose_device(device), deferred, source if deferred else None, mmap)
     # What the engine cannot do with this model is said before asking for a process group,
     # so it shows (and is tested) without torchrun.
     steps.check(model, request, opts)
@@ -139,11 +142,12 @@ def auto_wrap(
         raise ValueError(f"engine {steps.name!r}: {needed} (e.g. optimizer=lambda params: "
                          "torch.optim.AdamW(params, lr=3e-4))")
     if request.load_from is not None:  # shapes and dtypes from the headers, before any allocation
-        check_compatible(model, request.load_from)
+        check_compatible(model, request.load_from.path, format=request.load_from.format)
     checkpointed = steps.checkpoint_paths(model, plan, checkpoint)
-    prepare_for_training(model, checkpointing=bool(checkpointed)) # 3. HF training settings
-    if load_from is not None and not deferred:                    # a model with storage
-        load_logged(model, load_from, request.device)
+    prepare_for_training(model, checkpointing=bool(checkpointed), # 3. HF training settings
+                         ordered_gathers=steps.gathers_in_module_order())
+    if source is not None and not deferred:                       # a model with storage
+        load_logged(model, source.path, request.device, format=source.format)
     before = list(model.parameters())
     steps.prepare(model, request, opts, checkpointed)             # 4. tools inside the units
     if deferred and steps.fills_before_wrap:                      # 5. storage and values

@@ -11,7 +11,7 @@ parameters, then launches ``annot.from_pretrained(DIR/<model>, "fsdp2")`` on N C
 ``/proc/self/io``), the bytes of the rank's shard, of the largest tensor, peak RSS above
 the footprint before loading (``VmHWM`` minus ``VmRSS`` at start), the load time, and
 time per GiB read; the MoE's fused experts are read as the experts each rank's rows cover
-(annot.huggingface.conversions). One untimed read of every file warms the page cache
+(annot.formats.transformers_conversions). One untimed read of every file warms the page cache
 first. Not a test: numbers depend on the machine.
 """
 

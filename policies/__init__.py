@@ -1,7 +1,7 @@
 """policies: decide which modules get sharded, checkpointed, offloaded, and why.
 
-Rules select modules (`by_class`, `by_name`, `by_size`, `every_nth`, `marked`,
-`no_split_modules`, `repeated_blocks`, combined with ``|``, ``&``, ``-``); a `Policy` maps
+Rules select modules (`by_class`, `by_name`, `by_role`, `by_size`, `every_nth`, `marked`,
+`no_split_modules`, `repeated_blocks`, `list_elements`, combined with ``|``, ``&``, ``-``); a `Policy` maps
 actions to rules; `make_plan` turns (model, policy) into a validated `Plan`. This package
 imports ``torch.nn`` only: never ``torch.distributed``, DeepSpeed, transformers or annot.
 """
@@ -16,8 +16,10 @@ from annot.policies.rules import (
     Rule,
     by_class,
     by_name,
+    by_role,
     by_size,
     every_nth,
+    list_elements,
     marked,
     no_split_modules,
     repeated_blocks,
@@ -38,9 +40,11 @@ __all__ = [
     "Unit",
     "by_class",
     "by_name",
+    "by_role",
     "by_size",
     "default_policy",
     "every_nth",
+    "list_elements",
     "make_plan",
     "marked",
     "no_split_modules",

@@ -50,6 +50,9 @@ class Unit:
     #: Whether what autograd saves inside this unit waits on the host (activation
     #: offload, on the torch engines that offload activations; not parameter offload).
     offload_activations: bool = False
+    #: The part of the model the unit belongs to (`annot.policies.roles`: ``"vision"``,
+    #: ``"projector"``, ``"language"``, ``"encoder"``, ...), ``None`` in a model of one part.
+    role: str | None = None
 
     def __post_init__(self) -> None:
         if self.checkpoint_policy is not None and self.checkpoint_policy not in CHECKPOINT_POLICIES:
@@ -83,6 +86,8 @@ class Unit:
             out["checkpoint_policy"] = self.checkpoint_policy
         if self.offload_activations:
             out["offload_activations"] = True
+        if self.role is not None:
+            out["role"] = self.role
         return out
 
     @classmethod
@@ -99,6 +104,7 @@ class Unit:
             trainable=None if data.get("trainable") is None else int(data["trainable"]),
             checkpoint_policy=data.get("checkpoint_policy"),
             offload_activations=bool(data.get("offload_activations", False)),
+            role=data.get("role"),
         )
 
 
@@ -146,6 +152,8 @@ class Plan:
     parallel: ParallelDims | None = None
     #: The model's mixture-of-experts blocks (`annot.policies.experts`), module order.
     moe: tuple[MoeBlock, ...] = ()
+    #: The role of what the root holds (a diffusers model's: ``"denoiser"``), if any.
+    root_role: str | None = None
 
     def unit(self, path: str) -> Unit:
         for unit in self.units:
@@ -172,6 +180,7 @@ class Plan:
             "warnings": list(self.warnings),
             **({"parallel": self.parallel.to_dict()} if self.parallel is not None else {}),
             **({"moe": [block.to_dict() for block in self.moe]} if self.moe else {}),
+            **({"root_role": self.root_role} if self.root_role is not None else {}),
         }
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -194,6 +203,7 @@ class Plan:
                 warnings=tuple(data.get("warnings", ())),
                 parallel=ParallelDims.from_dict(data["parallel"]) if "parallel" in data else None,
                 moe=tuple(MoeBlock.from_dict(block) for block in data.get("moe", ())),
+                root_role=data.get("root_role"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"not a valid plan: {type(exc).__name__}: {exc}") from None
@@ -237,6 +247,10 @@ class Plan:
             trainable = [u.trainable for _, _, _, u in _rows(self.units, collapse)] + [self.root.trainable]
             header = (*header[:4], "trainable", *header[4:])
             rows = [(*r[:4], _trainable_cell(n), *r[4:]) for r, n in zip(rows, trainable, strict=True)]
+        if any(u.role is not None for u in self.units):  # a model of several parts: say which
+            unit_roles = [u.role or "" for _, _, _, u in _rows(self.units, collapse)] + [self.root_role or ""]
+            header = (*header[:2], "role", *header[2:])
+            rows = [(*r[:2], role, *r[2:]) for r, role in zip(rows, unit_roles, strict=True)]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = [f"Plan for {self.model}  (policy: {self.policy})"]
         for row in [header, *rows]:
@@ -294,9 +308,9 @@ def _indexed(path: str) -> tuple[str, int] | None:
 def _same_but_path(a: Unit, b: Unit) -> bool:
     return not a.group and not b.group and (
         (a.cls, a.params, a.trainable, a.bytes, a.actions, a.offload_to, a.reason,
-         a.checkpoint_policy, a.offload_activations)
+         a.checkpoint_policy, a.offload_activations, a.role)
         == (b.cls, b.params, b.trainable, b.bytes, b.actions, b.offload_to, b.reason,
-            b.checkpoint_policy, b.offload_activations)
+            b.checkpoint_policy, b.offload_activations, b.role)
     )
 
 

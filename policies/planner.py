@@ -22,10 +22,12 @@ from annot.policies.marks import Action, effective_mark
 from annot.policies.model_index import ModelIndex, is_under, parent_path, qualified_class_name
 from annot.policies.plan import Plan, RootInfo, Unit
 from annot.policies.policy import Policy
+from annot.policies.roles import TOWERS, module_roles, role_of
 from annot.policies.rules import (
     Rule,
     check_selection,
     keep_in_fp32_modules,
+    list_elements,
     marked,
     no_split_modules,
     repeated_blocks,
@@ -49,8 +51,15 @@ def default_policy(model: nn.Module) -> Policy:
         note = (f"{type(model).__name__} declares no _no_split_modules: fell back to its "
                 "repeated-block trunk (repeated_blocks); pass a policy to choose the blocks")
         trunk = repeated_blocks(note=note)
+        if not trunk.select(index):
+            # ALBERT: one layer every depth calls, in lists of one.
+            trunk = list_elements(note=(
+                f"{type(model).__name__} declares no _no_split_modules and repeats no block: "
+                "fell back to the elements of its module lists (list_elements); a module that "
+                "several depths call is one unit, gathered at each call; pass a policy to choose"))
         if trunk.select(index):
-            return Policy(shard=trunk | keep_in_fp32_modules(), checkpoint=trunk, group_tied=True)
+            return Policy(shard=trunk | keep_in_fp32_modules(), checkpoint=trunk, group_tied=True,
+                          split_dtypes=True, towers="blocks")
     raise PlanError(
         f"{type(model).__name__} has no marked blocks and no HuggingFace _no_split_modules, "
         "so there is nothing to decide from: mark the block class (@annot.shard_block), "
@@ -111,9 +120,16 @@ def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
     if lenient and _is_huggingface(model):
         units, note = _no_checkpoint_of_cache_writers(index, units)
         warnings += note
+    roles = module_roles(model)
+    if policy.towers is not None:
+        units = _tower_units(index, units, roles, policy.towers)
     units = _order_bottom_up(index, units)
     tied = _tied_groups(model)
     units = _order_bottom_up(index, _resolve_ties(index, units, tied, policy.group_tied))
+    if policy.split_dtypes:
+        units = _split_dtypes(index, units)
+    units = [dataclasses.replace(u, role=role_of(u.path, roles)) for u in units]
+    units = _no_checkpoint_of_frozen_towers(model, units, roles)
     owned = _ownership(model, units)
     warnings += _dtype_warnings(index, units, owned)
     units = [_with_counts(u, owned.get(u.path, []), index) for u in units]
@@ -133,6 +149,7 @@ def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
         total_bytes=_bytes_by_dtype(model.parameters()),
         warnings=tuple(warnings),
         moe=tuple(find_moe_blocks(index)),
+        root_role=roles.get(ROOT),
     )
 
 
@@ -188,6 +205,56 @@ def _no_checkpoint_of_cache_writers(index: ModelIndex, units: list[Unit]) -> tup
     return kept, [f"not checkpointed: {', '.join(dropped)} take a key/value cache that "
                   f"{type(index.model).__name__} cannot turn off (no module takes use_cache); "
                   "recomputing them would write it twice"]
+
+
+def _tower_units(index: ModelIndex, units: list[Unit], roles: dict[str, str], mode: str) -> list[Unit]:
+    """Each vision or audio tower (`annot.policies.roles`) as a shard unit of its own, so
+    what its blocks leave (patch embeddings, norms, a merger) is not gathered with the
+    root for the whole step; with one tower, the projectors beside it join its unit
+    (they run right after it, on its output). ``mode="whole"``: the tower (and its
+    projectors) is the only shard unit in it, its blocks keep their checkpointing;
+    ``"blocks"``: the blocks stay units of their own inside it."""
+    towers = [path for path, role in roles.items() if role in TOWERS and path]
+    if not towers:
+        return units
+    projectors = [path for path, role in roles.items() if role == "projector"
+                  and not any(is_under(path, t) for t in towers)] if len(towers) == 1 else []
+    out = list(units)
+    if mode == "whole":
+        out = [dataclasses.replace(u, actions=tuple(a for a in u.actions if a is not Action.SHARD),
+                                   reason=u.reason + f"; not sharded apart: inside the {roles[t]} tower's unit")
+               if any(is_under(u.path, t) and u.path != t for t in towers) and u.has(Action.SHARD) else u
+               for u in out for t in [next((t for t in towers if is_under(u.path, t)), "")]]
+        out = [u for u in out if u.actions]
+    by_path = {u.path: u for u in out}
+    for tower in towers:
+        members = [p for p in projectors if p not in by_path] if tower == towers[0] else []
+        reason = f"shard: towers={mode} ({roles[tower]} tower" + (
+            f" with its projector {', '.join(members)})" if members else ")")
+        existing = by_path.get(tower)
+        if existing is not None:
+            merged = dataclasses.replace(existing, actions=tuple(a for a in Action if a in {*existing.actions, Action.SHARD}),
+                                         group=(*existing.group, *members), reason=existing.reason + "; " + reason)
+            out = [merged if u.path == tower else u for u in out]
+        else:
+            out.append(Unit(path=tower, cls=qualified_class_name(index.modules[tower]), params=0, bytes={},
+                            actions=(Action.SHARD,), reason=reason, group=tuple(members)))
+    return out
+
+
+def _no_checkpoint_of_frozen_towers(model: nn.Module, units: list[Unit], roles: dict[str, str]) -> list[Unit]:
+    """A vision or audio tower none of whose parameters trains computes nothing backward
+    needs (its input, the pixels or audio, needs no gradient either): checkpointing its
+    blocks would only rerun them. Their checkpoint action is dropped, with the reason."""
+    frozen = [path for path, role in roles.items() if role in TOWERS and path
+              and not any(p.requires_grad for p in model.get_submodule(path).parameters())]
+    if not frozen:
+        return units
+    return [dataclasses.replace(u, actions=tuple(a for a in u.actions if a is not Action.CHECKPOINT),
+                                reason=u.reason + f"; not checkpointed: the {u.role} tower is frozen "
+                                "(nothing in it needs a gradient)")
+            if u.has(Action.CHECKPOINT) and any(is_under(u.path, t) for t in frozen) else u
+            for u in units]
 
 
 def _merge_reasons(reasons: list[str]) -> list[str]:
@@ -322,6 +389,72 @@ def _group(units: list[Unit], names: list[str], owners: dict[str, str]) -> list[
     )
     absorbed = set(members) - {keep.path}
     return [merged if u.path == first else u for u in units if u.path not in absorbed]
+
+
+def _split_dtypes(index: ModelIndex, units: list[Unit]) -> list[Unit]:
+    """Split every shard unit (the root too) whose trainable parameters have several
+    dtypes until none has, where the modules allow it: the unit keeps the dtype of the
+    parameters its own module holds directly (else its most bytes' dtype), and each child
+    subtree holding trainable parameters of another dtype becomes a shard unit of its own
+    (not checkpointed: it runs inside its parent's checkpoint). A child mixing dtypes
+    whose own parameters are of another dtype becomes a unit and is split in turn; one
+    whose own parameters are the unit's, or a container without a forward (a
+    ``ModuleDict``, which no engine can wrap), is looked into. Frozen parameters of
+    another dtype stay (FSDP2 and DeepSpeed take them: frozen bfloat16 base weights
+    beside float32 LoRA adapters). A module holding two dtypes directly cannot be split:
+    the planner's dtype warning says so (docs/design.md, pitfall 57)."""
+    while True:
+        owned = _ownership(index.model, units)
+        shard_paths = [u.path for u in units if u.has(Action.SHARD) and not u.group]
+        added: dict[str, str] = {}
+        for path in [*shard_paths, ROOT]:
+            params = [(n, p) for n, p in owned.get(path, []) if p.requires_grad]
+            if len({p.dtype for _, p in params}) < 2:
+                continue
+            direct = {p.dtype for n, p in params if parent_path(n) == path}
+            if len(direct) > 1:
+                continue
+            keep = next(iter(direct)) if direct else _largest_dtype(params)
+            for child in _other_dtype_children(index, path, params, keep):
+                added.setdefault(child, f"{_label(path)} keeps its {_dtype_name(keep)} parameters")
+        if not added:
+            return units
+        units = _order_bottom_up(index, units + [
+            Unit(path=child, cls=qualified_class_name(index.modules[child]), params=0, bytes={},
+                 actions=(Action.SHARD,),
+                 reason=f"shard: split_dtypes ({why}; FSDP shards one dtype per unit)")
+            for child, why in added.items()])
+
+
+def _largest_dtype(params: list[tuple[str, nn.Parameter]]) -> torch.dtype:
+    sizes: dict[torch.dtype, int] = defaultdict(int)
+    for _, p in params:
+        sizes[p.dtype] += p.numel() * p.element_size()
+    return max(sizes, key=lambda dtype: sizes[dtype])
+
+
+def _other_dtype_children(index: ModelIndex, path: str, params: list[tuple[str, nn.Parameter]],
+                          keep: torch.dtype) -> list[str]:
+    """The modules under ``path`` to make units so that the rest of ``params`` (the
+    trainable parameters the unit at ``path`` holds) is all ``keep``."""
+    by_child: dict[str, list[tuple[str, nn.Parameter]]] = defaultdict(list)
+    for name, param in params:
+        module = parent_path(name)
+        if module != path:
+            rest = module[len(path) + 1:] if path else module
+            by_child[f"{path}.{rest.split('.')[0]}" if path else rest.split(".")[0]].append((name, param))
+    out: list[str] = []
+    for child, child_params in by_child.items():
+        dtypes = {p.dtype for _, p in child_params}
+        if dtypes == {keep}:
+            continue
+        direct = {p.dtype for n, p in child_params if parent_path(n) == child}
+        wrappable = not isinstance(index.modules[child], (nn.ModuleDict, nn.ModuleList))
+        if wrappable and (len(dtypes) == 1 or (len(direct) == 1 and direct != {keep})):
+            out.append(child)
+        elif not direct or direct == {keep}:
+            out += _other_dtype_children(index, child, child_params, keep)
+    return out
 
 
 def unit_parameters(model: nn.Module, plan: Plan) -> dict[str, list[tuple[str, nn.Parameter]]]:

@@ -16,7 +16,10 @@ from annot.policies.rules import Rule, keep_in_fp32_modules, marked, no_split_mo
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack is Python >= 3.11
 
-__all__ = ["Override", "Policy"]
+__all__ = ["TOWER_MODES", "Override", "Policy"]
+
+#: How `Policy.towers` shards a multimodal model's towers (``None``: as the rules say).
+TOWER_MODES = (None, "blocks", "whole")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,14 @@ class Policy:
     ``offload_to`` is the target for offloaded units whose marks do not name one.
     ``group_tied`` puts modules that share a parameter into one shard unit instead of
     rejecting the plan (tied embeddings and heads, as torchtitan groups them).
+    ``split_dtypes`` makes a shard unit that holds parameters of several dtypes hold
+    only those of its own module's dtype, the children holding others becoming units of
+    their own (a model kept partly in float32 by its library, Wan's ``scale_shift_table``
+    beside bfloat16 blocks: FSDP shards one dtype per unit; docs/design.md, pitfall 57).
+    ``towers`` makes each vision or audio tower of a multimodal model
+    (`annot.policies.roles`) a unit, with the projector beside it: ``"blocks"`` keeps
+    the tower's blocks units of their own inside it, ``"whole"`` shards the tower as one
+    unit (its blocks still checkpointed); ``None`` leaves towers to the rules.
     """
 
     shard: Rule | None = None
@@ -55,6 +66,8 @@ class Policy:
     offload_to: str = "cpu"
     group_tied: bool = False
     overrides: tuple[Override, ...] = ()
+    split_dtypes: bool = False
+    towers: str | None = None
 
     def __post_init__(self) -> None:
         for action in Action:
@@ -63,6 +76,8 @@ class Policy:
                 raise TypeError(f"Policy({action.value}=...) takes a rule, not {type(rule).__name__}")
         if self.offload_to not in OFFLOAD_TARGETS:
             raise ValueError(f"offload_to must be one of {OFFLOAD_TARGETS}, got {self.offload_to!r}")
+        if self.towers not in TOWER_MODES:
+            raise ValueError(f"towers must be one of {TOWER_MODES}, got {self.towers!r}")
 
     def rules(self) -> dict[Action, Rule]:
         return {a: r for a in Action if (r := getattr(self, a.value)) is not None}
@@ -91,6 +106,10 @@ class Policy:
         ]
         if self.group_tied:
             parts.append("group_tied")
+        if self.split_dtypes:
+            parts.append("split_dtypes")
+        if self.towers is not None:
+            parts.append(f"towers={self.towers}")
         return "; ".join(parts) or "(empty)"
 
     @classmethod
@@ -109,10 +128,13 @@ class Policy:
         """HuggingFace metadata: shard (and by default checkpoint) the `_no_split_modules`.
         Tied embeddings and heads (``tie_word_embeddings``) are grouped into one unit;
         ``_keep_in_fp32_modules`` held in fp32 in a lower-precision model are units of
-        their own."""
+        their own, and a unit holding parameters of several dtypes is split
+        (``split_dtypes``)."""
         blocks = no_split_modules()
         # Modules kept in fp32 inside a bf16/fp16 model become units of their own
         # (selects nothing in an all-fp32 model), so no unit mixes dtypes.
+        options.setdefault("split_dtypes", True)
+        options.setdefault("towers", "blocks")
         return cls(shard=blocks | keep_in_fp32_modules(),
                    checkpoint=blocks if checkpoint else None,
                    group_tied=group_tied, **options)
@@ -132,3 +154,5 @@ class _HFOptions(TypedDict, total=False):
     offload: Rule | None
     offload_to: str
     overrides: tuple[Override, ...]
+    split_dtypes: bool
+    towers: str | None

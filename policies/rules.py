@@ -17,15 +17,18 @@ from torch import nn
 from annot.policies.errors import PlanError
 from annot.policies.marks import Action, effective_mark
 from annot.policies.model_index import ModelIndex, parent_path
+from annot.policies.roles import module_roles
 
 __all__ = [
     "Rule",
     "by_class",
     "by_name",
+    "by_role",
     "by_size",
     "every_nth",
     "declared_names",
     "keep_in_fp32_modules",
+    "list_elements",
     "marked",
     "modules_named",
     "no_split_modules",
@@ -345,7 +348,10 @@ class _NoSplitModules(Rule):
         wanted = set(_collect_no_split(index))
         named = {path: f"no_split_modules({type(module).__name__})"
                  for path, module in index if path and type(module).__name__ in wanted}
-        return index.ordered(_lift_into_repeated_blocks(index, named))
+        if not named:
+            return {}
+        lifted = _lift_into_repeated_blocks(index, named)
+        return index.ordered({**lifted, **_uncovered_repeated_blocks(index, lifted)})
 
     def diagnostics(self, index: ModelIndex) -> list[str]:
         present = {type(m).__name__ for _, m in index}
@@ -375,6 +381,21 @@ def _lift_into_repeated_blocks(index: ModelIndex, named: dict[str, str]) -> dict
             continue
         block = ancestors[-1]  # outermost
         out.setdefault(block, f"{reason} inside {blocks[block]}")
+    return out
+
+
+def _uncovered_repeated_blocks(index: ModelIndex, chosen: Selection) -> Selection:
+    """Repeated blocks (`repeated_blocks`) that ``chosen`` neither holds nor reaches into:
+    a list of layers ``_no_split_modules`` forgot (Speech2Text names only its encoder's
+    layer, so its decoder's stayed with the root, unsharded; BLIP-2's Q-Former layers,
+    Qwen3-VL's ``deepstack_merger_list``). "Do not split" says nothing of what the list
+    leaves out, and a list of blocks left in the root is gathered whole for every step."""
+    out: dict[str, str] = {}
+    for path, reason in _RepeatedBlocks().select(index).items():  # outermost first
+        covered = any(path == c or path.startswith(c + ".") or c.startswith(path + ".")
+                      for c in [*chosen, *out])
+        if not covered:
+            out[path] = f"{reason}, not in _no_split_modules"
     return out
 
 
@@ -419,6 +440,69 @@ def repeated_blocks(*, note: str | None = None) -> Rule:
     of one class that hold parameters (the fallback when a model carries no metadata).
     ``note`` is reported with the plan's warnings (to say that a fallback happened)."""
     return _RepeatedBlocks(note)
+
+
+class _ListElements(Rule):
+    name = "list_elements"
+
+    def __init__(self, note: str | None = None) -> None:
+        self.note = note
+
+    def diagnostics(self, index: ModelIndex) -> list[str]:
+        return [self.note] if self.note else []
+
+    def select(self, index: ModelIndex) -> Selection:
+        out: dict[str, str] = {}
+        for path, module in index:
+            if isinstance(module, (nn.ModuleList, nn.Sequential)) and not any(
+                    path == p or path.startswith(p + ".") for p in out):
+                for child_path in index.children_paths(path):
+                    child = index.modules.get(child_path)
+                    if child is not None and any(True for _ in child.parameters()):
+                        out[child_path] = f"list_elements({type(child).__name__})"
+        return index.ordered(out)
+
+
+def list_elements(*, note: str | None = None) -> Rule:
+    """The elements holding parameters of every ``nn.ModuleList``/``nn.Sequential`` not
+    inside another one's element, however many and of whatever classes: the last
+    fallback for a model with neither metadata nor a repeated trunk (ALBERT keeps one
+    layer that every depth calls: it becomes one unit, gathered at each use)."""
+    return _ListElements(note)
+
+
+class _ByRole(Rule):
+    def __init__(self, roles: tuple[str, ...]) -> None:
+        if not roles or not all(isinstance(r, str) for r in roles):
+            raise ValueError("by_role() needs role names such as 'vision', 'projector', 'language'")
+        self.roles = roles
+        self.name = f"role({', '.join(roles)})"
+
+    def select(self, index: ModelIndex) -> Selection:
+        return {path: f"role({role})" for path, role in _roles(index).items() if role in self.roles}
+
+    def diagnostics(self, index: ModelIndex) -> list[str]:
+        found = set(_roles(index).values())
+        missing = [r for r in self.roles if r not in found]
+        if not missing:
+            return []
+        return [f"by_role: {type(index.model).__name__} has no part with role {', '.join(map(repr, missing))} "
+                f"(its parts: {', '.join(sorted(found)) or 'none'})"]
+
+
+def _roles(index: ModelIndex) -> dict[str, str]:
+    """`module_roles` of the index's model, found once per plan."""
+    if "roles" not in index.memo:
+        index.memo["roles"] = module_roles(index.model)
+    return index.memo["roles"]
+
+
+def by_role(*roles: str) -> Rule:
+    """The outermost module of each part of the model with one of ``roles``
+    (`annot.policies.roles`: ``"vision"``, ``"audio"``, ``"projector"``, ``"language"``,
+    ``"encoder"``, ``"decoder"``, ``"denoiser"``): the vision tower as one module, say.
+    Use it to choose what to freeze or to treat differently (``Policy.override``)."""
+    return _ByRole(roles)
 
 
 def format_count(n: int) -> str:

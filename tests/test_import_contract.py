@@ -190,6 +190,27 @@ def test_generic_module_importing_an_engine_module_is_rejected(tmp_path: Path) -
     assert proc.stdout.splitlines()[-1].endswith("engine modules outside their engine: 1")
 
 
+@pytest.mark.slow  # four checker runs over the whole package: about 5 s
+def test_checkpoint_io_importing_a_format_package_is_rejected(tmp_path: Path) -> None:
+    """The generic loader and saver learn a checkpoint's format from data
+    (`CheckpointFormat`): an import of annot.huggingface, of an adapter of annot.formats
+    (diffusers'), or of a format's library is refused, even inside a function."""
+    root = copy_of_annot(tmp_path)
+    assert run_checker(root).returncode == 0, "the unmodified copy must pass"
+    loading = root / "annot" / "checkpoint_io" / "loading.py"
+    original = loading.read_text()
+    for planted, named in (("from annot.huggingface.model import is_peft_model\n", "annot.huggingface.model"),
+                           ("def _f():\n    from annot.formats.diffusers import DIFFUSERS\n",
+                            "annot.formats.diffusers"),
+                           ("def _f():\n    import diffusers\n", "diffusers")):
+        loading.write_text(original + "\n" + planted)
+        proc = run_checker(root)
+        assert proc.returncode == 1, planted
+        assert f"checkpoint_io imports {named}: the generic loader and saver import no format " \
+            "package" in proc.stdout, proc.stdout
+        assert "direction violations: 1," in proc.stdout.splitlines()[-1]
+
+
 def test_an_engine_module_importing_another_engine_is_rejected(tmp_path: Path) -> None:
     root = make_package(tmp_path, {
         "annot/engines/fsdp1.py": "from annot.engines.fsdp2 import x\n",

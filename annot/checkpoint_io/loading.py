@@ -1,15 +1,17 @@
 """`load`: fill a (possibly sharded, possibly meta) model from a checkpoint on disk.
 
-Sources: one ``.safetensors`` file; a directory of safetensors shards with a
-HuggingFace index (``model.safetensors.index.json``) or a single ``model.safetensors``;
-a torch distributed checkpoint (a directory with ``.metadata``; read when annot
+Sources: one ``.safetensors`` file; a directory of safetensors shards with an index
+(``model.safetensors.index.json``) or a single ``model.safetensors``, or as the
+checkpoint's format names them (`annot.checkpoint_io.formats`: diffusers' names, a
+pipeline's component folder); a torch distributed checkpoint (a directory with ``.metadata``; read when annot
 committed it, a training state, or when asked: ``dcp=True``). Each rank reads only
 the rows of its own shards (positioned reads): an FSDP2 DTensor's rows, or the rows
 covering the flat range an FSDP1 shard or a DeepSpeed ZeRO-3 partition holds. It
-converts the dtype on the way in and loads a tied parameter once. A tensor transformers
-builds from several keys on load (a fused mixture-of-experts ``gate_up_proj`` from one
-key per expert) is read the same way, each block from the source blocks it is made of
-(`annot.huggingface.conversions`; docs/design.md, pitfall 42). The reads are planned
+converts the dtype on the way in and loads a tied parameter once. The format says how
+the checkpoint's keys become the model's names; a tensor it builds from several keys (a
+fused mixture-of-experts ``gate_up_proj`` from one key per expert, transformers') is read
+the same way, each block from the source blocks it is made of
+(`annot.checkpoint_io.converted`; docs/design.md, pitfall 42). The reads are planned
 first and then run together (`annot.checkpoint_io.read_queue`: large pieces on a few
 threads, straight into the destination; through staging buffers for a conversion or a
 GPU). With ``mmap=True`` a
@@ -24,11 +26,9 @@ import json
 import logging
 import math
 import os
-import weakref
 from collections import defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any, cast
 
 import torch
 from torch import nn
@@ -36,29 +36,18 @@ from torch.distributed.tensor import DTensor
 
 from annot._progress import Progress
 from annot.checkpoint_io import commit
+from annot.checkpoint_io.converted import Conversions, read_flat
+from annot.checkpoint_io.converted import read_into as read_converted_into
+from annot.checkpoint_io.formats import PLAIN, CheckpointFormat, FileNames
 from annot.checkpoint_io.read_queue import ReadQueue
 from annot.checkpoint_io.safetensors_file import SafetensorsFile
 from annot.errors import CheckpointError
-from annot.huggingface.conversions import Conversions, plan_conversions, read_flat
-from annot.huggingface.conversions import read_into as read_converted_into
-from annot.huggingface.keys import (
-    KeyRules,
-    checkpoint_renamer,
-    key_rules,
-    peft_copy_sources,
-    peft_key_rules,
-    peft_names,
-    peft_renamer,
-)
-from annot.huggingface.model import is_peft_model, is_pretrained_model
 from annot.meta.deferred import deferred_init_of
 from annot.meta.layout import WHOLE, Block, FlatPart, ShardLayout, dtensor_block, local
 from annot.meta.materialization import materialize, sharded_device
 
 __all__ = ["CheckpointError", "LoadReport", "check_keys", "load", "load_logged", "state_names"]
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
     """What a `load` did: keys the model has but the checkpoint lacks, keys the checkpoint
@@ -74,8 +63,15 @@ class LoadReport:
 
 def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
          device: torch.device | str | None = None, layout: ShardLayout = WHOLE,
-         dcp: bool = False, prefix: str | None = None, mmap: bool = False) -> LoadReport:
+         dcp: bool = False, prefix: str | None = None, mmap: bool = False,
+         format: CheckpointFormat = PLAIN) -> LoadReport:
     """Load ``path`` into ``model`` in place and return a `LoadReport`.
+
+    ``format`` (`annot.checkpoint_io.formats`) says where the weights are under ``path``,
+    what its files are called and how its keys meet the model's names; the default is
+    annot's own (the model's names, ``model.safetensors`` or shards with an index).
+    `annot.load` chooses it for the model (transformers, PEFT, diffusers:
+    `annot.formats`).
 
     ``strict=True`` raises `CheckpointError` listing missing and unexpected keys;
     ``strict=False`` loads what matches and reports the rest. A model still on the meta
@@ -100,7 +96,7 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
     it) changes the values of weights not yet written, or kills the process (SIGBUS)
     if it shrinks (docs/design.md, pitfall 28). What cannot be mapped is read.
     """
-    path = Path(path)
+    path = format.weights_folder(Path(path))
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if mmap:
@@ -118,7 +114,7 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
             f"{path} holds a torch distributed checkpoint; its .metadata is a pickle, which annot "
             "reads only when asked: pass dcp=True if you trust the folder (and prefix='model.' "
             "or another if its keys carry one)")
-    match = _match(model, path, layout)
+    match = _match(model, path, layout, format)
     missing, unexpected, groups = match.missing, match.unexpected, match.groups
     if strict and (missing or unexpected):
         raise CheckpointError(_mismatch(path, missing, unexpected))
@@ -157,9 +153,10 @@ def _refuse_mapping(model: nn.Module, path: Path, device: torch.device | str | N
 
 
 def load_logged(model: nn.Module, path: str | os.PathLike[str], device: torch.device | None,
-                layout: ShardLayout = WHOLE, mmap: bool = False) -> None:
+                layout: ShardLayout = WHOLE, mmap: bool = False,
+                format: CheckpointFormat = PLAIN) -> None:
     """`annot.load` without strictness; what did not match is logged, not silent."""
-    report = load(model, path, strict=False, device=device, layout=layout, mmap=mmap)
+    report = load(model, path, strict=False, device=device, layout=layout, mmap=mmap, format=format)
     for what, keys in (("kept their initialization (not in the checkpoint)", report.missing),
                        ("were ignored (not in the model)", report.unexpected)):
         if keys:
@@ -178,8 +175,9 @@ class _Match:
     file_key: dict[str, str]  # model name -> its key in that file
     files: dict[Path, SafetensorsFile]  # every file, its header checked
     names: dict[str, torch.Tensor]  # `state_names` when matched (before any allocation)
-    # Model tensors transformers' converters build from several keys (fused MoE experts),
-    # read block by block (`annot.huggingface.conversions`), and the file of each key used.
+    # Model tensors the format builds from several keys (transformers' fused MoE
+    # experts), read block by block (`annot.checkpoint_io.converted`), and the file of
+    # each key used.
     converted: Conversions = dataclasses.field(default_factory=Conversions)
     converted_files: dict[str, Path] = dataclasses.field(default_factory=dict)
 
@@ -187,75 +185,36 @@ class _Match:
         return name in self.available or name in self.converted.targets
 
 
-def _match(model: nn.Module, path: Path, layout: ShardLayout = WHOLE) -> _Match:
-    files = _safetensors_files(path)
+def _match(model: nn.Module, path: Path, layout: ShardLayout, format: CheckpointFormat) -> _Match:
+    """Match the checkpoint at ``path`` (the weights folder or file) with ``model``, reading
+    only the files' headers; ``format`` says how its keys become the model's names."""
+    files = _safetensors_files(path, format.files)
     names = state_names(model, layout)
-    # Keys that are all the model's own names need no renaming (the usual case: saved by
-    # this model class); transformers' renaming rules take about 0.4-0.7 s to build.
-    as_is = all(key in names for handle in files.values() for key in handle.keys())
-    bare = layout.bare_model(model)
-    rename, rules = (None, None) if as_is else _key_renamer(bare)
-    # A PEFT model's base names -> its own (conversions and module copies are planned on
-    # the base model's names).
-    to_peft = peft_names(bare, names) if is_peft_model(bare) else None
-    converted, converted_files = _converted(bare, rules, files, to_peft)
+    where = {key: file for file, handle in files.items() for key in handle.keys()}
+    sources = {key: (files[file].shape(key), files[file].dtype(key)) for key, file in where.items()}
+    keys = format.key_map(layout.bare_model(model), sources, names)
+    converted = keys.conversions
     available: dict[str, Path] = {}
     file_key: dict[str, str] = {}
-    for file, handle in files.items():
-        for key in handle.keys():
-            if key in converted.consumed:
-                continue
-            name = rename(key) if rename is not None else key
-            available[name] = file
-            file_key[name] = key
-    if to_peft is not None:
-        _peft_copies(bare, names, to_peft, available, file_key)
+    for key, file in where.items():
+        if key in converted.consumed:
+            continue
+        name = keys.rename(key) if keys.rename is not None else key
+        available[name] = file
+        file_key[name] = key
+    for name, others in keys.copies.items():
+        # A module copy the checkpoint names once (PEFT's modules_to_save; a tied head
+        # under the embedding's key) takes that key too, so it is loaded rather than left
+        # to its initialization (strict=False trained a random head: pitfall 54).
+        source = next((other for other in others if other in available), None)
+        if name not in available and source is not None:
+            available[name], file_key[name] = available[source], file_key[source]
     groups = _tied_groups(model, names, layout)
     missing = [group[0] for group in groups
                if not any(n in available or n in converted.targets for n in group)]
     unexpected = sorted(set(available) - set(names))
     return _Match(missing, unexpected, groups, available, file_key, files, names, converted,
-                  converted_files)
-
-
-def _peft_copies(model: nn.Module, names: dict[str, torch.Tensor], to_peft: dict[str, str],
-                 available: dict[str, Path], file_key: dict[str, str]) -> None:
-    """A PEFT module copy the checkpoint names once (``modules_to_save``: the original and
-    the trained copy; a tied head: under the embedding's key) takes that key too, so it is
-    loaded rather than left to its initialization (strict=False trained a random head).
-    ``to_peft``: `peft_names` of ``model``."""
-    for name, bases in peft_copy_sources(model, names).items():
-        if name in available:
-            continue
-        source = next((to_peft[b] for b in bases if to_peft.get(b) in available), None)
-        if source is not None:
-            available[name], file_key[name] = available[source], file_key[source]
-
-
-def _converted(model: nn.Module, rules: KeyRules | None, files: dict[Path, SafetensorsFile],
-               to_peft: dict[str, str] | None) -> tuple[Conversions, dict[str, Path]]:
-    """The model tensors transformers' converters build from the files' keys, planned
-    from the headers (nothing is read), and the file of each key they use. ``to_peft``
-    (a PEFT model: `peft_names`) puts the targets, planned on the base model's names,
-    onto the PEFT model's."""
-    if rules is None or not rules.converters:
-        return Conversions(), {}
-    where = {key: file for file, handle in files.items() for key in handle.keys()}
-    sources = {key: (files[file].shape(key), files[file].dtype(key)) for key, file in where.items()}
-    cached = _CONVERSIONS.get(rules)
-    if cached is None or cached[0] != sources:  # one `from_pretrained` matches up to 3 times
-        base = cast(Any, model).get_base_model() if to_peft is not None else model  # PEFT's own method
-        cached = sources, plan_conversions(base, rules, sources)
-        _CONVERSIONS[rules] = cached
-    conversions = cached[1]
-    if to_peft is not None:  # planned on the base model's names (under PEFT, `base_layer` is in them)
-        conversions = Conversions({to_peft.get(n, n): node for n, node in conversions.targets.items()},
-                                  conversions.consumed)
-    return conversions, {key: where[key] for key in conversions.consumed}
-
-
-_CONVERSIONS: weakref.WeakKeyDictionary[KeyRules, tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Conversions]] = \
-    weakref.WeakKeyDictionary()
+                  {key: where[key] for key in converted.consumed})
 
 
 def _refuse_incompatible(match: _Match, layout: ShardLayout) -> None:
@@ -287,24 +246,24 @@ def _compare(where: str, shape: tuple[int, ...], dtype: torch.dtype, name: str, 
 
 
 def check_compatible(model: nn.Module, path: str | os.PathLike[str],
-                     layout: ShardLayout = WHOLE) -> None:
+                     layout: ShardLayout = WHOLE, format: CheckpointFormat = PLAIN) -> None:
     """Raise `CheckpointError` when a tensor of the safetensors checkpoint at ``path``
     differs from ``model``'s in shape or in kind of dtype, reading only file headers
     (what is missing or extra is `load`'s business). ``auto_wrap(load_from=...)`` calls it
     before an engine allocates anything."""
-    path = Path(path)
+    path = format.weights_folder(Path(path))
     if path.is_dir() and not any(path.glob("*.safetensors")):
         return  # a torch distributed checkpoint, or nothing: `load` says which
     if (path / ".metadata").is_file() and commit.is_committed(path):
         return  # an annot training state: read as DCP by `load`
-    _refuse_incompatible(_match(model, path, layout), layout)
+    _refuse_incompatible(_match(model, path, layout, format), layout)
 
 
-def check_keys(model: nn.Module, path: str | os.PathLike[str],
-               layout: ShardLayout = WHOLE) -> tuple[list[str], list[str]]:
-    """``(missing, unexpected)`` keys of the safetensors checkpoint at ``path`` against
-    ``model``, reading only file headers (nothing allocated)."""
-    match = _match(model, Path(path), layout)
+def check_keys(model: nn.Module, path: str | os.PathLike[str], layout: ShardLayout = WHOLE,
+               format: CheckpointFormat = PLAIN) -> tuple[list[str], list[str]]:
+    """``(missing, unexpected)`` keys of the safetensors checkpoint at ``path`` (read as
+    ``format``) against ``model``, reading only file headers (nothing allocated)."""
+    match = _match(model, format.weights_folder(Path(path)), layout, format)
     return match.missing, match.unexpected
 
 
@@ -318,24 +277,26 @@ def _mismatch(path: Path, missing: list[str], unexpected: list[str]) -> str:
     return "; ".join(parts) + ". Pass strict=False to load what matches and get the rest reported."
 
 
-def _safetensors_files(path: Path) -> dict[Path, SafetensorsFile]:
-    """The checkpoint's files, each header checked (`SafetensorsFile`)."""
+def _safetensors_files(path: Path, names: FileNames) -> dict[Path, SafetensorsFile]:
+    """The checkpoint's files (a file, or a folder's files as ``names`` calls them), each
+    header checked (`SafetensorsFile`)."""
     if path.is_file():
         candidates = [path]
-    elif (path / INDEX).is_file():
-        candidates = _indexed_files(path)
-    elif (path / SINGLE).is_file():
-        candidates = [path / SINGLE]
+    elif names.index is not None and (path / names.index).is_file():
+        candidates = _indexed_files(path, names.index)
+    elif (path / names.single).is_file():
+        candidates = [path / names.single]
     else:
+        indexed = f", no {names.index}" if names.index is not None else ""
         raise CheckpointError(
-            f"{path}: no {SINGLE}, no {INDEX} and no torch distributed checkpoint (.metadata)")
+            f"{path}: no {names.single}{indexed} and no torch distributed checkpoint (.metadata)")
     return {file: SafetensorsFile(file) for file in candidates}
 
 
-def _indexed_files(folder: Path) -> list[Path]:
+def _indexed_files(folder: Path, index_name: str) -> list[Path]:
     """The files a HuggingFace index names, each checked to be a file inside ``folder``
     (no absolute path, no ``..``, no link leading out: docs/design.md, pitfall 17)."""
-    index = folder / INDEX
+    index = folder / index_name
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -427,31 +388,6 @@ def _block(target: torch.Tensor) -> Block | None:
         return dtensor_block(target)
     except ValueError as exc:
         raise CheckpointError(f"cannot load into this rank's part: {exc}") from None
-
-
-def _key_renamer(model: nn.Module) -> tuple[Callable[[str], str] | None, KeyRules | None]:
-    """How checkpoint keys become model names: transformers' renaming for a
-    ``PreTrainedModel`` (files written by ``save_pretrained`` may use legacy names) with
-    its rules (which also say what its converters fuse), and the base model's names mapped
-    onto a PEFT model's; ``(None, None)`` for any other model.
-    Kept per model: transformers builds its renaming rules in about 0.4 s, and one
-    ``from_pretrained`` matches keys up to three times (strict check, shape check, load)."""
-    if model not in _RENAMERS:
-        if is_peft_model(model):
-            # The base model's rules over its own names: the converters' targets are base
-            # names, put onto the PEFT model's in `_converted`.
-            rules_and_names = peft_key_rules(model)
-            _RENAMERS[model] = peft_renamer(model, rules_and_names), rules_and_names[0]
-        elif is_pretrained_model(model):
-            rules = key_rules(model)
-            _RENAMERS[model] = checkpoint_renamer(model, rules), rules
-        else:
-            _RENAMERS[model] = None, None
-    return _RENAMERS[model]
-
-
-_RENAMERS: weakref.WeakKeyDictionary[
-    nn.Module, tuple[Callable[[str], str] | None, KeyRules | None]] = weakref.WeakKeyDictionary()
 
 
 def _fill_converted(model: nn.Module, groups: list[list[str]], match: _Match,

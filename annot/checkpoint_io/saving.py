@@ -1,5 +1,6 @@
-"""`save`: a (possibly sharded) model to HuggingFace-compatible safetensors shards; for a
-PEFT model, PEFT's adapter format or the merged base model.
+"""`save`: a (possibly sharded) model to safetensors shards in a checkpoint format's
+layout (`annot.checkpoint_io.formats`: annot's own and transformers' names, diffusers',
+PEFT's adapter files or a merged base model, as `annot.formats` describes them).
 
 A save is a list of `Entry` (a name, the full shape and dtype, and how to fetch the whole
 tensor). On several ranks that all see the folder, each rank writes the rows it holds
@@ -29,65 +30,48 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from annot._progress import Progress
 from annot.checkpoint_io.entries import Entry
-from annot.checkpoint_io.entries import entry as model_entry
-from annot.checkpoint_io.loading import INDEX, SINGLE, state_names
-from annot.checkpoint_io.peft_export import adapter_entries, merged_entries
+from annot.checkpoint_io.formats import PLAIN, CheckpointFormat, FileNames
+from annot.checkpoint_io.loading import state_names
 from annot.checkpoint_io.safetensors_file import SafetensorsWriter
 from annot.checkpoint_io.shared_save import shared_folder, write_shared
 from annot.checkpoint_io.weights_commit import commit_weights, fsync_path, staging, weight_files
 from annot.errors import CheckpointError
-from annot.huggingface.model import is_peft_model
 from annot.meta.layout import WHOLE, ShardLayout, local
 from annot.process_group import barrier, rank_and_world
 
 __all__ = ["DEFAULT_SHARD_BYTES", "save"]
 
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
-ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's names
-PeftFormat = Literal["adapter", "merged"]
 
 
 def save(model: nn.Module, directory: str | os.PathLike[str], *,
          max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None,
-         overwrite: bool = False, peft: PeftFormat | None = None,
-         layout: ShardLayout = WHOLE) -> list[Path]:
-    """Write ``model``'s state (parameters and persistent buffers; a tied parameter once,
-    under its first name) to ``directory`` as ``model.safetensors`` or, above
-    ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` shards with
-    ``model.safetensors.index.json``; a HuggingFace ``config`` is saved beside them, as
-    the user has it. ``dtype`` casts floating tensors on the way out. Every rank must
-    call it (collective); every rank writes the rows it holds when all see the folder,
-    else rank 0 writes what is gathered to it. Rank 0 commits. Returns the files written.
-
-    A PEFT model needs ``peft``: ``"adapter"`` writes PEFT's own format
-    (``adapter_config.json`` and ``adapter_model.safetensors``, what
-    ``PeftModel.from_pretrained`` loads), ``"merged"`` the base model with the LoRA
-    updates added into its weights (what ``AutoModelForCausalLM.from_pretrained`` loads).
-    ``layout`` is where an engine that shards flattened parameters keeps them
-    (`annot.save` asks the engines).
+         overwrite: bool = False, layout: ShardLayout = WHOLE,
+         format: CheckpointFormat = PLAIN) -> list[Path]:
+    """Write ``model``'s state as ``format`` lays it out (which tensors under which names,
+    `CheckpointFormat.entries`; a tied parameter once) to ``directory``: one file
+    (``model.safetensors`` in annot's own format) or, above ``max_shard_bytes``, shards
+    with an index, and what the format keeps beside them (a config). ``dtype`` casts
+    floating tensors on the way out. Every rank must call it (collective); every rank
+    writes the rows it holds when all see the folder, else rank 0 writes what is
+    gathered to it. Rank 0 commits. Returns the files written. ``layout`` is where an
+    engine that shards flattened parameters keeps them (`annot.save` asks the engines
+    and chooses the format).
     """
     directory = Path(directory)
-    single = ADAPTER_FILE if peft == "adapter" else SINGLE
+    files = format.files
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(f"{directory} is a file; annot.save writes a folder")
-    existing = weight_files(directory, single) if directory.is_dir() else []
+    existing = weight_files(directory, files) if directory.is_dir() else []
     if existing and not overwrite:
         raise CheckpointError(f"{directory} already holds a checkpoint ({existing[0].name}): pass "
                               "overwrite=True to replace it (other files in the folder are kept)")
-    if peft is None and is_peft_model(model):
-        raise CheckpointError(
-            f"{type(model).__name__} is a PEFT model: pass peft='adapter' (PEFT's adapter "
-            "files, for PeftModel.from_pretrained) or peft='merged' (the base model with the "
-            "adapters merged in, for AutoModelForCausalLM.from_pretrained)")
-    if peft is not None and not is_peft_model(model):
-        raise CheckpointError(f"peft={peft!r}, but {type(model).__name__} is not a PEFT model")
     # Every rank has looked at the directory before rank 0 writes it: with whole
     # parameters no gather holds rank 0 back, and another rank would find the new save.
     barrier()
@@ -95,18 +79,11 @@ def save(model: nn.Module, directory: str | os.PathLike[str], *,
     def out_dtype(entry: Entry) -> torch.dtype:
         return dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
 
-    if peft == "adapter":
-        entries, adapter_config = adapter_entries(model, _tensors(model, layout), layout)
-        return _write(directory, entries, out_dtype, max_shard_bytes=None, single=single,
-                      extra=lambda tmp: adapter_config.save_pretrained(tmp))
-    if peft == "merged":
-        entries, config = merged_entries(model, _tensors(model, layout), layout)
-    else:
-        entries = [model_entry(name, t, layout) for name, t in _tensors(model, layout).items()]
-        config = getattr(layout.bare_model(model), "config", None)
-    return _write(directory, entries, out_dtype, max_shard_bytes=max_shard_bytes, single=single,
-                  extra=(lambda tmp: config.save_pretrained(tmp))
-                  if config is not None and hasattr(config, "save_pretrained") else None)
+    entries = format.entries(model, _tensors(model, layout), layout)
+    bare = layout.bare_model(model)
+    return _write(directory, entries, out_dtype,
+                  max_shard_bytes=max_shard_bytes if files.index is not None else None,
+                  files=files, extra=lambda staged: format.write_beside(bare, staged))
 
 
 def _tensors(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Tensor]:
@@ -126,8 +103,8 @@ IN_FLIGHT = 2  # whole tensors alive on a rank at once during a save: one writte
 
 
 def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], torch.dtype], *,
-           max_shard_bytes: int | None, single: str,
-           extra: Callable[[Path], Any] | None) -> list[Path]:
+           max_shard_bytes: int | None, files: FileNames,
+           extra: Callable[[Path], None]) -> list[Path]:
     """Stream ``entries`` into safetensors files staged inside ``directory`` (rank 0), add
     what ``extra(staged)`` writes (configs), then commit them (`commit_weights`).
 
@@ -140,7 +117,7 @@ def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], t
     fsynced) on the writer thread too, behind the next file's gathers."""
     rank, world = rank_and_world()
     shards = _split(entries, max_shard_bytes, out_dtype)
-    names = [single if len(shards) == 1 else _shard_name(i, len(shards)) for i in range(len(shards))]
+    names = [files.single if len(shards) == 1 else files.shard(i, len(shards)) for i in range(len(shards))]
     created = not directory.exists()
     staged = staging(directory) if rank == 0 else None
     pool: ThreadPoolExecutor | None = None
@@ -158,10 +135,9 @@ def _write(directory: Path, entries: list[Entry], out_dtype: Callable[[Entry], t
         for future in [*pending, *closing]:
             future.result()
         if staged is not None:
-            _write_index(staged, shards, names, out_dtype)
-            if extra is not None:
-                extra(staged)
-            commit_weights(directory, staged, single, INDEX)
+            _write_index(staged, shards, names, out_dtype, files)
+            extra(staged)
+            commit_weights(directory, staged, files)
     except BaseException:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)  # no write runs on while we clean up
@@ -232,15 +208,11 @@ def _split(entries: list[Entry], limit: int | None,
     return shards
 
 
-def _shard_name(i: int, n: int) -> str:
-    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-
-
 def _write_index(staged: Path, shards: list[list[Entry]], names: list[str],
-                 out_dtype: Callable[[Entry], torch.dtype]) -> None:
-    if len(shards) == 1:
+                 out_dtype: Callable[[Entry], torch.dtype], files: FileNames) -> None:
+    if len(shards) == 1 or files.index is None:
         return
     total = sum(_nbytes(e, out_dtype) for shard in shards for e in shard)
     weight_map = {e.name: name for name, shard in zip(names, shards, strict=True) for e in shard}
-    (staged / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    fsync_path(staged / INDEX)
+    (staged / files.index).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    fsync_path(staged / files.index)

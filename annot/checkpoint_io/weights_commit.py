@@ -23,22 +23,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
+
+from annot.checkpoint_io.formats import FileNames
 
 __all__ = ["CONFIG_FILES", "TMP_PREFIX", "commit_weights", "fsync_path", "reached", "staging",
            "weight_files"]
 
 TMP_PREFIX = ".annot-tmp-"
 CONFIG_FILES = ("config.json", "generation_config.json", "adapter_config.json")
-# The files of each kind of checkpoint, by its one-file name: what a save of that kind
-# replaces and, when the new one lacks them, removes.
-_WEIGHTS = {
-    "model.safetensors": re.compile(
-        r"model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"),
-    "adapter_model.safetensors": re.compile(r"adapter_model\.safetensors"),
-}
 
 
 def reached(label: str) -> None:
@@ -53,10 +47,11 @@ def staging(folder: Path) -> Path:
     return path
 
 
-def weight_files(folder: Path, single: str) -> list[Path]:
-    """The files of the checkpoint kind ``single`` names (full model or PEFT adapter)
-    that are in ``folder`` now: what a new save of that kind replaces."""
-    pattern = _WEIGHTS[single]
+def weight_files(folder: Path, files: FileNames) -> list[Path]:
+    """The files of the checkpoint kind ``files`` names (a full model, a PEFT adapter, a
+    diffusers component) that are in ``folder`` now: what a new save of that kind
+    replaces."""
+    pattern = files.pattern()
     return sorted(p for p in folder.iterdir() if pattern.fullmatch(p.name) and not p.is_dir())
 
 
@@ -75,21 +70,22 @@ def _replace(source: Path, target: Path) -> None:
     os.replace(source, target)
 
 
-def commit_weights(folder: Path, staged: Path, single: str, index: str) -> None:
-    """Move the files in ``staged`` (weights, an ``index`` when sharded, configs) into
+def commit_weights(folder: Path, staged: Path, files: FileNames) -> None:
+    """Move the files in ``staged`` (weights, an index when sharded, configs) into
     ``folder`` in the order described in the module docstring, then remove the files of
     the old checkpoint of this kind that the new one does not have, and every leftover
-    staging entry. ``single`` is the one-file name of this kind (``model.safetensors``)."""
-    old = {p.name for p in weight_files(folder, single)}
+    staging entry. ``files`` names this kind's files (``model.safetensors``, ...)."""
+    single, index = files.single, files.index
+    old = {p.name for p in weight_files(folder, files)}
     names = {p.name for p in staged.iterdir()}
     configs = [n for n in CONFIG_FILES if n in names]
     for name in configs:
         fsync_path(staged / name)
-    if index in names:
+    if index is not None and index in names:
         _commit_shards(folder, staged, index, old)
     else:
         _replace(staged / single, folder / single)
-        if index in old:  # the old index still wins over the new single file: drop it now
+        if index is not None and index in old:  # the old index still wins over the new single file: drop it now
             reached(f"remove {index}")
             (folder / index).unlink()
     for name in configs:  # beside the new weights: a reader may see new weights, old config

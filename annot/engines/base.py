@@ -37,15 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from annot._deprecation import warn_deprecated
+from annot.checkpoint_io.formats import CheckpointSource
 from annot.checkpoint_io.loading import load_logged
 from annot.devices import move_to_device
 from annot.errors import EngineNotAvailableError
@@ -123,8 +122,9 @@ class WrapRequest:
     device: torch.device
     #: Built under `annot.meta_init` and not given values yet.
     deferred: bool
-    #: A checkpoint to fill a deferred model from (else its record is replayed).
-    load_from: Path | None = None
+    #: A checkpoint to fill a deferred model from, with its format (else its record is
+    #: replayed).
+    load_from: CheckpointSource | None = None
     #: Map ``load_from``'s tensors instead of reading them (`annot.load`'s ``mmap``).
     mmap: bool = False
 
@@ -340,6 +340,13 @@ class Engine(Generic[OptionsT]):
         not). Asked after `check`; `requires_optimizer` engines always need one."""
         return None
 
+    def gathers_in_module_order(self) -> bool:
+        """Whether, for what `check` saw, the engine gathers parameters module by module
+        in the order the modules run (DeepSpeed ZeRO-3), rather than per unit at the
+        unit's forward: then every rank must run a tower at the same point of the forward
+        (`annot.huggingface.modality_standin`). Asked after `check`."""
+        return False
+
     def options(self, given: OptionsT | None, **kwargs: Any) -> OptionsT:
         """The engine's options from an ``Options`` instance or keyword arguments."""
         if given is not None:
@@ -490,13 +497,13 @@ def trained_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def fill_values(model: nn.Module, load_from: str | os.PathLike[str] | None,
+def fill_values(model: nn.Module, load_from: CheckpointSource | None,
                 device: torch.device | None, layout: ShardLayout = WHOLE, mmap: bool = False) -> None:
     """Values for a `meta_init` model that has storage (or not yet): loaded from
     ``load_from`` (what it lacks keeps its initialization, logged), else replayed from
     its construction record."""
     if load_from is not None:
-        load_logged(model, load_from, device, layout, mmap)
+        load_logged(model, load_from.path, device, layout, mmap, load_from.format)
     else:
         materialize(model, device=device, layout=layout)
 

@@ -7,7 +7,6 @@ them before touching the model.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +42,7 @@ def require_process_group(engine: str) -> None:
         )
 
 
-def refuse_mapping(engine: str, maps_checkpoint: bool, load_from: os.PathLike[str] | None,
+def refuse_mapping(engine: str, maps_checkpoint: bool, load_from: object | None,
                    device: torch.device) -> None:
     """Raise `CheckpointError` when ``mmap=True`` cannot apply, before the model changes:
     there must be a checkpoint to map, weights on the CPU (a device gets a copy anyway),

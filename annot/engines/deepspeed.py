@@ -276,6 +276,9 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
                                "cpu_checkpointing=True) as config=",
     }
 
+    def gathers_in_module_order(self) -> bool:
+        return self.stage == 3
+
     def check(self, model: nn.Module, request: WrapRequest, options: DeepSpeedOptions) -> None:
         plan = request.plan
         refuse_deepspeed_dtypes(model)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,8 @@ from torch import nn
 from annot.errors import CheckpointError
 from annot.huggingface.model import is_peft_model, keep_in_fp32_names, model_factory
 
-__all__ = ["PretrainedPathError", "build_pretrained", "from_pretrained", "train_loaded_parameters"]
+__all__ = ["PretrainedPathError", "build_pretrained", "from_pretrained", "model_folder",
+           "train_loaded_parameters"]
 
 
 class PretrainedPathError(CheckpointError):
@@ -44,11 +45,29 @@ def from_pretrained(
     strict: bool = False,
     peft_config: Any = None,
     mmap: bool = False,
+    component: str | None = None,
+    freeze: Sequence[str] | str | None = None,
     **auto_wrap_options: Any,
 ) -> Any:
-    """Load the transformers model saved in the local directory ``path``, wrapped for ``engine``.
+    """Load the transformers or diffusers model saved in the local directory ``path``,
+    wrapped for ``engine``.
 
-    Steps: read ``config.json`` (offline: the hub is never contacted); pick the class
+    ``path`` is a model folder (``save_pretrained``'s output, or a downloaded snapshot),
+    or a diffusers pipeline folder (``model_index.json``): then ``component`` names the
+    folder to load (``"transformer"``, ``"vae"``, ``"text_encoder"``, ...; by default the
+    denoiser: ``transformer``, else ``unet``). A diffusers model folder (its
+    ``config.json`` names a ``_class_name``) builds that diffusers class in
+    ``torch_dtype`` (default float32) with the tensors its ``_keep_in_fp32_modules`` names
+    kept in float32, as diffusers' ``from_pretrained`` does, and reads
+    ``diffusion_pytorch_model*.safetensors`` (`annot.huggingface.diffusers_model`).
+
+    ``freeze`` names parts of the model to keep as loaded (`annot.freeze`: ``"vision"``,
+    ``"projector"``, ``"language"``, ``"encoder"``, ...; one name or several): frozen
+    before the Plan is made, so they get no optimizer state or gradient buffers and a
+    frozen tower's blocks are not checkpointed. A frozen diffusion text encoder or VAE:
+    ``freeze="all"`` (forward only).
+
+    For transformers: read ``config.json`` (offline: the hub is never contacted); pick the class
     (``auto_class`` if given, a class or a name like ``"AutoModelForCausalLM"``; else the
     config's ``architectures``; else the first of `AUTO_CLASS_ORDER` that knows the
     config); build it with nothing allocated (`build_pretrained`) in ``torch_dtype``
@@ -84,27 +103,40 @@ def from_pretrained(
     mode, as `auto_wrap` returns it. Raises `PretrainedPathError` when ``path`` is not a
     local directory with a ``config.json``.
     """
+    from annot.formats.choice import checkpoint_source
     from annot.wrap import auto_wrap
 
-    path = _model_dir(path)
+    path = model_folder(path, component)
     model = build_pretrained(path, torch_dtype=torch_dtype, trust_remote_code=trust_remote_code,
                              auto_class=auto_class, peft_config=peft_config)
     if strict:
         _refuse_mismatch(model, path)
+    if freeze is not None:
+        _freeze(model, freeze)
+    source = checkpoint_source(model, path)
     if engine is None:
         if auto_wrap_options:
             raise ValueError(f"engine=None takes no auto_wrap options, got {', '.join(auto_wrap_options)}")
         from annot.checkpoint_io.loading import load_logged
 
-        load_logged(model, path, None, mmap=mmap)
+        load_logged(model, source.path, None, mmap=mmap, format=source.format)
         return model.eval()
-    return auto_wrap(model, engine, load_from=path, mmap=mmap, **auto_wrap_options)
+    return auto_wrap(model, engine, load_from=source, mmap=mmap, **auto_wrap_options)
+
+
+def _freeze(model: nn.Module, parts: Sequence[str] | str) -> None:
+    """`annot.freeze` of ``parts`` (``"all"``: every parameter)."""
+    from annot.freezing import freeze
+
+    names = [parts] if isinstance(parts, str) else list(parts)
+    if names == ["all"]:
+        model.requires_grad_(False)
+        return
+    freeze(model, *names)
 
 
 def _refuse_mismatch(model: nn.Module, path: Path) -> None:
-    from annot.checkpoint_io.loading import check_keys
-
-    missing, unexpected = check_keys(model, path)
+    missing, unexpected = _check_keys(model, path)
     if is_peft_model(model):  # the adapters are new: no base checkpoint holds them
         missing = [name for name in missing if ".lora_" not in name]
     if missing or unexpected:
@@ -114,13 +146,23 @@ def _refuse_mismatch(model: nn.Module, path: Path) -> None:
             "missing and ignores the rest, as transformers does)")
 
 
-def _model_dir(path: str | os.PathLike[str]) -> Path:
+def model_folder(path: str | os.PathLike[str], component: str | None = None) -> Path:
+    """The model folder ``path`` names: itself, or ``component`` of the diffusers pipeline
+    folder ``path`` (by default its denoiser). Raises `PretrainedPathError` when it is no
+    local folder with a ``config.json``."""
+    from annot.formats.diffusers import PIPELINE_INDEX, component_folder
+
     directory = Path(path)
     if not directory.is_dir():
         raise PretrainedPathError(
             f"{path}: not a local directory. annot.from_pretrained reads a model saved with "
             "save_pretrained (or downloaded with `huggingface-cli download`); it never "
             "contacts the hub")
+    if (directory / PIPELINE_INDEX).is_file() or component is not None:
+        try:
+            directory = component_folder(directory, component)
+        except CheckpointError as exc:
+            raise PretrainedPathError(str(exc)) from None
     if not (directory / "config.json").is_file():
         raise PretrainedPathError(
             f"{directory}: no config.json, so this is not a HuggingFace model directory "
@@ -144,25 +186,14 @@ def build_pretrained(
     every persistent tensor and the record computes every other one (the non-persistent
     buffers); otherwise, and with adapters (new tensors, initialized as PEFT does), built
     again under `annot.meta_init` (docs/design.md, pitfall 29)."""
-    # Read at import by huggingface_hub, so set before transformers is first imported;
-    # local_files_only below covers a process that imported it already.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig
-
     from annot.meta.deferred import meta_device_init, meta_init
 
-    path = _model_dir(path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
-                                        local_files_only=True)
-    dtype = _resolve_dtype(torch_dtype, config)
-    factory = model_factory(config, auto_class, trust_remote_code)
+    path = model_folder(path)
+    construct = _constructor(path, torch_dtype, trust_remote_code, auto_class)
 
     def build(recording: Callable[[], contextlib.AbstractContextManager[None]]) -> nn.Module:
         with recording():
-            model = factory(config, dtype=dtype)
-            # Inside the block, so the casts are on the record and replayed.
-            for module_path in keep_in_fp32_names(model, dtype):
-                model.get_submodule(module_path).float()
+            model = construct()
             if peft_config is not None:  # in the same block: one record for base and adapters
                 import peft
 
@@ -188,6 +219,41 @@ def build_pretrained(
     return model
 
 
+def _constructor(folder: Path, torch_dtype: torch.dtype | str | None, trust_remote_code: bool,
+                 auto_class: type | str | None) -> Callable[[], nn.Module]:
+    """A function building the model of ``folder``'s config (to call inside a recording
+    block, so the dtype casts are on the record and replayed): a diffusers model when
+    the config names a diffusers class, else transformers' class for it."""
+    from annot.formats.diffusers import is_diffusers_folder
+
+    if is_diffusers_folder(folder):
+        from annot.huggingface import diffusers_model
+
+        if auto_class is not None or trust_remote_code:
+            raise ValueError(f"{folder} holds a diffusers model: auto_class= and trust_remote_code= "
+                             "choose among transformers' classes")
+        config = diffusers_model.read_config(folder)
+        dtype = _resolve_dtype(torch_dtype, None)
+        return lambda: diffusers_model.build(config, dtype)
+    # Read at import by huggingface_hub, so set before transformers is first imported;
+    # local_files_only below covers a process that imported it already.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code,
+                                           local_files_only=True)
+    hf_dtype = _resolve_dtype(torch_dtype, hf_config)
+    factory = model_factory(hf_config, auto_class, trust_remote_code)
+
+    def construct() -> nn.Module:
+        model = factory(hf_config, dtype=hf_dtype)
+        for module_path in keep_in_fp32_names(model, hf_dtype):
+            model.get_submodule(module_path).float()
+        return model
+
+    return construct
+
+
 def train_loaded_parameters(model: nn.Module, path: str | os.PathLike[str]) -> list[str]:
     """Make trainable every floating-point parameter of ``model`` that the checkpoint at
     ``path`` provides, as transformers' ``from_pretrained`` does: it wraps each loaded
@@ -198,7 +264,6 @@ def train_loaded_parameters(model: nn.Module, path: str | os.PathLike[str]) -> l
     into the Plan's warnings (`annot.module_state.ModuleState.plan_notes`). Parameters
     the checkpoint lacks keep their constructor's choice, as in transformers. Returns the
     names made trainable."""
-    from annot.checkpoint_io.loading import check_keys
     from annot.module_state import module_state
 
     frozen = [name for name, p in model.named_parameters()
@@ -206,7 +271,7 @@ def train_loaded_parameters(model: nn.Module, path: str | os.PathLike[str]) -> l
     if not frozen:
         return []
     try:
-        missing = set(check_keys(model, path)[0])
+        missing = set(_check_keys(model, path)[0])
     except CheckpointError:  # keys annot cannot read (converted tensors): the load refuses
         return []
     loaded = [name for name in frozen if name not in missing]
@@ -264,13 +329,22 @@ def _checkpoint_completes(model: nn.Module, path: Path) -> bool:
     persistent tensor in the checkpoint (what the files lack would keep the constructor's
     init, not transformers' ``_init_weights``, which the meta device skips) and every
     other one computed by the record."""
-    from annot.checkpoint_io.loading import check_keys
     from annot.meta.deferred import deferred_init_of
 
     record = deferred_init_of(model)
-    missing, _ = check_keys(model, path)
+    missing, _ = _check_keys(model, path)
     return (record is not None and not missing
             and set(record.uninitialized()) <= set(model.state_dict()))
+
+
+def _check_keys(model: nn.Module, path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
+    """``(missing, unexpected)`` keys of the checkpoint at ``path`` read into ``model`` in
+    its library's format, from the files' headers."""
+    from annot.checkpoint_io.loading import check_keys
+    from annot.formats.choice import checkpoint_source
+
+    source = checkpoint_source(model, path)
+    return check_keys(model, source.path, format=source.format)
 
 
 def _resolve_dtype(torch_dtype: torch.dtype | str | None, config: Any) -> torch.dtype:

@@ -52,7 +52,7 @@ WORLD_SIZE = 2
 REFERENCE = "sweep-reference.pt"
 PREPARED = "sweep-row.json"
 # "transformers converts this tensor on load": annot.load's refusal of a checkpoint that
-# transformers' weight converters fuse or split (annot/huggingface/keys.py). For MoE
+# transformers' weight converters fuse or split (annot/formats/transformers_keys.py). For MoE
 # experts that is another change's work (moe-load); the sweep names it so.
 CONVERSION_REFUSAL = "transformers converts this tensor on load"
 

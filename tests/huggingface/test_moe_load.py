@@ -1,6 +1,6 @@
 """Mixture-of-experts checkpoints written by transformers 5 (one key per expert) load
 into the fused 3-D expert weights slice by slice, with transformers' own conversions
-(`annot.huggingface.conversions`): the planning in one process, the whole model, and
+(`annot.formats.transformers_conversions`, read through `annot.checkpoint_io.converted`): the planning in one process, the whole model, and
 FSDP2 on 2 ranks against transformers' single-process ``from_pretrained``."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import annot
-from annot.huggingface.conversions import plan_conversions, read, read_flat, read_into
-from annot.huggingface.keys import key_rules
+from annot.checkpoint_io.converted import read, read_flat, read_into
+from annot.formats.transformers_conversions import plan_conversions
+from annot.formats.transformers_keys import key_rules
 from tests.distributed import torchrun
 from tests.huggingface.moe_models import (
     GRAD_ATOL,

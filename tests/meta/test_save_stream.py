@@ -14,6 +14,7 @@ import torch
 
 from annot.checkpoint_io import safetensors_file, saving
 from annot.checkpoint_io.entries import Entry
+from annot.checkpoint_io.formats import MODEL_FILES
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -105,7 +106,7 @@ class _Counted:
 
 def _save(tmp_path, entries: list[Entry]):
     return saving._write(tmp_path / "ck", entries, lambda e: e.dtype, max_shard_bytes=None,
-                         single="model.safetensors", extra=None)
+                         files=MODEL_FILES, extra=lambda staged: None)
 
 
 def test_at_most_in_flight_whole_tensors_and_gathers_overlap_writes(tmp_path, monkeypatch):

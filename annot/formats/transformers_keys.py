@@ -1,5 +1,5 @@
 """Checkpoint key names of transformers models: what a file calls a tensor vs what the
-model calls it (transformers' own renaming rules, looked up per model class)."""
+model calls it (transformers' own renaming and converter rules, looked up per model class)."""
 
 from __future__ import annotations
 
@@ -16,87 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-__all__ = [
-    "KeyRules", "checkpoint_renamer", "key_rules", "peft_base_name", "peft_copy_sources",
-    "peft_key_rules", "peft_names", "peft_renamer",
-]
-
-# PeftModel -> LoraModel -> the transformers model: the prefix of every base name.
-PEFT_PREFIX = "base_model.model."
-
-
-def peft_base_name(name: str, adapter: str) -> str:
-    """The base model's name for a PEFT model's tensor name (a LoRA layer keeps the base
-    weight as ``base_layer``; ``modules_to_save`` keeps a trained copy)."""
-    name = name.removeprefix(PEFT_PREFIX)
-    while ".base_layer." in name:  # nested once per wrap: LoRA on two parameters of one
-        name = name.replace(".base_layer.", ".")  # module (`target_parameters`) wraps it twice
-    return name.replace(f".modules_to_save.{adapter}.", ".")
-
-
-def peft_key_rules(model: Any) -> tuple[KeyRules | None, dict[str, str]]:
-    """For a PEFT model loading its base model's checkpoint: transformers' rules for the
-    base model over the base model's own names (``None`` when the base is not a
-    transformers model), and each base name -> the PEFT model's name for it (adapter
-    tensors, in no base checkpoint, are left out).
-
-    The base model's own names, as its checkpoint has them: PEFT wraps what it adapts,
-    and a parameter it adapts in place (`target_parameters`, e.g. fused MoE experts)
-    moves under ``base_layer``. Matched against the wrapped names, a converted key found
-    no target, was dropped as unexpected, and the experts kept their random
-    initialization (strict=False) with no word said (docs/design.md, pitfall 52)."""
-    from annot.huggingface.model import is_pretrained_model
-
-    base = model.get_base_model()
-    adapter = model.active_adapter
-    rules = None
-    if is_pretrained_model(base):
-        rules = key_rules(base)
-        rules = dataclasses.replace(rules, names=dict.fromkeys((peft_base_name(n, adapter) for n in rules.names), True),
-                                    resolved={})
-    return rules, peft_names(model)
-
-
-def peft_names(model: Any, names: Iterable[str] | None = None) -> dict[str, str]:
-    """Base model name -> the PEFT model's name, for every tensor of the base model
-    (adapters and PEFT's kept originals left out). ``names``: the PEFT model's state
-    names when the caller has them (else its ``state_dict``'s keys)."""
-    adapter = model.active_adapter
-    return {peft_base_name(name, adapter): name for name in (model.state_dict() if names is None else names)
-            if ".lora_" not in name and ".original_module." not in name}
-
-
-def peft_copy_sources(model: Any, names: Iterable[str]) -> dict[str, tuple[str, ...]]:
-    """The base-model tensors each of a PEFT model's module copies is read from: a
-    ``modules_to_save`` module keeps the original (``original_module``) and a trained
-    copy, both made from the base module, so both take its checkpoint tensor; where the
-    base model ties that tensor to another (an ``lm_head`` tied to the embedding, which
-    the checkpoint holds once), the tie's source next. PEFT name -> base names in order."""
-    adapter = model.active_adapter
-    ties = dict(getattr(model.get_base_model(), "all_tied_weights_keys", None) or {})
-    out: dict[str, tuple[str, ...]] = {}
-    for name in names:
-        if ".original_module." in name or f".modules_to_save.{adapter}." in name:
-            base = peft_base_name(name.replace(".original_module.", "."), adapter)
-            out[name] = (base, ties[base]) if base in ties else (base,)
-    return out
-
-
-def peft_renamer(model: Any, rules_and_names: tuple[KeyRules | None, dict[str, str]] | None = None
-                 ) -> Callable[[str], str]:
-    """``rename(checkpoint_key) -> model_key`` for a PEFT model loading its base model's
-    checkpoint: transformers' renaming for the base model, then the base name to the PEFT
-    name (``rules_and_names``: `peft_key_rules`'s, or built here). Adapter tensors are in
-    no base checkpoint: they keep their initialization."""
-    rules, to_peft = rules_and_names if rules_and_names is not None else peft_key_rules(model)
-    base_rename: Callable[[str], str] = lambda key: key  # noqa: E731
-    if rules is not None:
-        base_rename = checkpoint_renamer(model.get_base_model(), rules)
-
-    def rename(key: str) -> str:
-        return to_peft.get(base_rename(key), key)
-
-    return rename
+__all__ = ["KeyRules", "checkpoint_renamer", "key_rules"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -135,9 +55,10 @@ class KeyRules:
         return renamed, converter, pattern
 
 
-def key_rules(model: nn.Module) -> KeyRules:
+def key_rules(model: nn.Module, names: Iterable[str] | None = None) -> KeyRules:
     """transformers' own key mapping for ``model`` (a ``PreTrainedModel``, possibly
-    FSDP2-sharded); building it takes about 0.4 s."""
+    FSDP2-sharded) over its state ``names`` (default: its ``state_dict``'s keys); building
+    it takes about 0.4 s."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
@@ -147,7 +68,7 @@ def key_rules(model: nn.Module) -> KeyRules:
     return KeyRules([m for m in mapping if isinstance(m, WeightRenaming)],
                     [m for m in mapping if isinstance(m, WeightConverter)],
                     getattr(model, "base_model_prefix", None) or None,
-                    {name: True for name in model.state_dict()})
+                    dict.fromkeys(model.state_dict() if names is None else names, True))
 
 
 def checkpoint_renamer(model: nn.Module, rules: KeyRules | None = None) -> Callable[[str], str]:
@@ -156,7 +77,7 @@ def checkpoint_renamer(model: nn.Module, rules: KeyRules | None = None) -> Calla
     ``lm_head``, a base-model prefix added or dropped), and ``save_pretrained`` writes the
     file names. Uses transformers' own mapping for this model (``rules``, or built here).
     A key that one of its weight converters fuses or splits into a model tensor (MoE
-    experts) is read by `annot.huggingface.conversions` (through a PEFT model too, on its
+    experts) is read through `annot.formats.transformers_conversions` (through a PEFT model too, on its
     base model's names), not renamed: one that reaches this renamer all the same is
     refused by name with `annot.CheckpointError`; one whose converted name the model
     lacks stays as it is (an unexpected key)."""

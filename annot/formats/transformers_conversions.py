@@ -1,27 +1,20 @@
-"""Checkpoint tensors that transformers converts on load (fused mixture-of-experts
-weights, concatenated or split projections), read slice by slice.
+"""transformers' weight converters (fused mixture-of-experts weights, concatenated or
+split projections) planned as slices of the checkpoint's tensors.
 
 transformers 5 saves one key per expert (``...experts.0.gate_proj.weight``) and builds
 the model's 3-D ``experts.gate_up_proj`` from them at load time through the
-`WeightConverter` rules of its conversion mapping. This module runs those converters' own
-operations once, on symbolic stand-ins of the checkpoint tensors (`_Symbol`): what the
-operations do (stack, concatenate, chunk, split, transpose) is recorded as a small tree
-of `Node` objects per model tensor, and no data is touched. `read` then gives any block of
-the converted tensor by reading only the blocks of the source tensors it covers: an
-FSDP2 shard of experts ``[a, b)`` reads those experts' tensors, and of a concatenated
-gate/up only the rows it needs from each. An operation that does anything else
-(reshapes, permutations, arithmetic) cannot be stated as slices: planning refuses it
-with a `CheckpointError` naming the tensor and the operation, never a silent
-difference (docs/design.md, pitfall 42).
-
-Nothing here reads files: the caller passes each source's shape and dtype, and a
-`Reader` for blocks.
+`WeightConverter` rules of its conversion mapping. `plan_conversions` runs those
+converters' own operations once, on symbolic stand-ins of the checkpoint tensors
+(`_Symbol`): what the operations do (stack, concatenate, chunk, split, transpose) is
+recorded as a tree of `annot.checkpoint_io.converted` nodes per model tensor, and no
+data is touched; the generic loader then reads any block of it from the source blocks
+it covers. An operation that does anything else (reshapes, permutations, arithmetic)
+cannot be stated as slices: planning refuses it with a `CheckpointError` naming the
+tensor and the operation, never a silent difference (docs/design.md, pitfall 42).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -29,161 +22,24 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from annot.checkpoint_io.converted import (
+    Cat,
+    Conversions,
+    Narrow,
+    Node,
+    Source,
+    Stack,
+    Transpose,
+    put,
+)
 from annot.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from annot.huggingface.keys import KeyRules
+    from annot.formats.transformers_keys import KeyRules
 
-__all__ = ["Conversions", "Node", "Reader", "plan_conversions", "read", "read_flat"]
+__all__ = ["plan_conversions"]
 
 Shape = tuple[int, ...]
-#: ``reader(key, start, shape)``: indices ``start[d]:start[d] + shape[d]`` of the
-#: checkpoint tensor ``key``, in its own dtype.
-Reader = Callable[[str, Shape, Shape], torch.Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class Node:
-    """A tensor as transformers' conversion builds it, described by where its values
-    come from. ``shape`` and ``dtype`` are the converted tensor's."""
-
-    shape: Shape
-    dtype: torch.dtype
-
-    def sources(self) -> list[str]:
-        """The checkpoint keys this tensor is built from, in order."""
-        return [key for part in self.parts() for key in part.sources()]
-
-    def parts(self) -> Sequence[Node]:
-        return ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Source(Node):
-    """A checkpoint tensor as it is in the file."""
-
-    key: str = ""
-
-    def sources(self) -> list[str]:
-        return [self.key]
-
-
-@dataclasses.dataclass(frozen=True)
-class Stack(Node):
-    """``torch.stack(inputs, dim)``: one new dimension, one index per input."""
-
-    inputs: tuple[Node, ...] = ()
-    dim: int = 0
-
-    def parts(self) -> Sequence[Node]:
-        return self.inputs
-
-
-@dataclasses.dataclass(frozen=True)
-class Cat(Node):
-    """``torch.cat(inputs, dim)``: the inputs one after another along ``dim``."""
-
-    inputs: tuple[Node, ...] = ()
-    dim: int = 0
-
-    def parts(self) -> Sequence[Node]:
-        return self.inputs
-
-
-@dataclasses.dataclass(frozen=True)
-class Narrow(Node):
-    """``input.narrow(dim, start, shape[dim])``: one piece of a chunk or split."""
-
-    input: Node | None = None
-    dim: int = 0
-    start: int = 0
-
-    def parts(self) -> Sequence[Node]:
-        return (self.input,) if self.input is not None else ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Transpose(Node):
-    """``input.transpose(dim0, dim1)``."""
-
-    input: Node | None = None
-    dim0: int = 0
-    dim1: int = 1
-
-    def parts(self) -> Sequence[Node]:
-        return (self.input,) if self.input is not None else ()
-
-
-def read(node: Node, start: Sequence[int], shape: Sequence[int], reader: Reader) -> torch.Tensor:
-    """Indices ``start[d]:start[d] + shape[d]`` of the converted tensor ``node``,
-    reading through ``reader`` only the source blocks they come from."""
-    out = torch.empty(tuple(shape), dtype=node.dtype)
-    read_into(node, start, shape, reader, out)
-    return out
-
-
-def read_into(node: Node, start: Sequence[int], shape: Sequence[int], reader: Reader,
-              out: torch.Tensor) -> None:
-    """`read` into ``out`` (a tensor of ``shape``, any strides; values cast to its dtype),
-    such as the parameter's own local block: no more than one source block is alive at
-    a time, where building the block by stacking and concatenating held it twice over."""
-    start, shape = tuple(start), tuple(shape)
-    if len(start) != len(node.shape) or len(shape) != len(node.shape) or any(
-            s < 0 or n < 0 or s + n > full for s, n, full in zip(start, shape, node.shape, strict=True)):
-        raise ValueError(f"block at {start} of shape {shape} is not inside {node.shape}")
-    if tuple(out.shape) != shape:
-        raise ValueError(f"the destination is {tuple(out.shape)}, the block {shape}")
-    if not math.prod(shape):
-        return
-    if isinstance(node, Source):
-        out.copy_(reader(node.key, start, shape))
-    elif isinstance(node, Stack):
-        d = node.dim
-        inner_start, inner_shape = start[:d] + start[d + 1:], shape[:d] + shape[d + 1:]
-        for j in range(shape[d]):
-            read_into(node.inputs[start[d] + j], inner_start, inner_shape, reader, out.select(d, j))
-    elif isinstance(node, Cat):
-        d, offset = node.dim, 0
-        for part in node.inputs:
-            low, high = max(start[d], offset), min(start[d] + shape[d], offset + part.shape[d])
-            if low < high:  # only the inputs the block overlaps are read
-                read_into(part, _put(start, d, low - offset), _put(shape, d, high - low), reader,
-                          out.narrow(d, low - start[d], high - low))
-            offset += part.shape[d]
-    elif isinstance(node, Narrow) and node.input is not None:
-        read_into(node.input, _put(start, node.dim, start[node.dim] + node.start), shape, reader, out)
-    elif isinstance(node, Transpose) and node.input is not None:
-        a, b = node.dim0, node.dim1
-        swapped_start = _put(_put(start, a, start[b]), b, start[a])
-        swapped_shape = _put(_put(shape, a, shape[b]), b, shape[a])
-        read_into(node.input, swapped_start, swapped_shape, reader, out.transpose(a, b))
-    else:
-        raise TypeError(f"unknown conversion node {node!r}")
-
-
-def read_flat(node: Node, start: int, stop: int, reader: Reader) -> torch.Tensor:
-    """Elements ``start:stop`` of the converted tensor flattened (a flat shard: FSDP1,
-    DeepSpeed ZeRO-3), read as the rows that cover them. The rows' other elements are
-    read and dropped: at most two partial rows per range."""
-    if not node.shape:
-        return read(node, (), (), reader).reshape(-1)[start:stop]
-    per_row = math.prod(node.shape[1:])
-    first, last = start // per_row, -(-stop // per_row)
-    rows = read(node, (first,) + (0,) * (len(node.shape) - 1), (last - first, *node.shape[1:]), reader)
-    return rows.reshape(-1)[start - first * per_row:stop - first * per_row]
-
-
-def _put(values: Shape, index: int, value: int) -> Shape:
-    return values[:index] + (value,) + values[index + 1:]
-
-
-@dataclasses.dataclass(frozen=True)
-class Conversions:
-    """What a checkpoint's converted keys give: the model tensors they build (model name
-    -> `Node`) and the checkpoint keys used for them."""
-
-    targets: Mapping[str, Node] = dataclasses.field(default_factory=dict)
-    consumed: frozenset[str] = frozenset()
 
 
 class _Untraceable(Exception):
@@ -257,11 +113,11 @@ def _cat(tensors: Sequence[Any], dim: int = 0, **_: Any) -> _Symbol:
     symbols = _symbols(tensors, "cat")
     shape = symbols[0].node.shape
     dim %= max(len(shape), 1)
-    if any(len(s.node.shape) != len(shape) or _put(s.node.shape, dim, 0) != _put(shape, dim, 0)
+    if any(len(s.node.shape) != len(shape) or put(s.node.shape, dim, 0) != put(shape, dim, 0)
            for s in symbols):
         raise _Untraceable(f"cat of tensors of shapes {[s.node.shape for s in symbols]}")
     size = sum(s.node.shape[dim] for s in symbols)
-    return _Symbol.of(Cat(_put(shape, dim, size), _dtype(symbols), tuple(s.node for s in symbols), dim))
+    return _Symbol.of(Cat(put(shape, dim, size), _dtype(symbols), tuple(s.node for s in symbols), dim))
 
 
 def _pieces(symbol: _Symbol, meta_pieces: Sequence[torch.Tensor], dim: int) -> tuple[_Symbol, ...]:
@@ -289,7 +145,7 @@ def _transpose(tensor: _Symbol, dim0: int, dim1: int) -> _Symbol:
     a, b = dim0 % ndim, dim1 % ndim
     if a == b:
         return symbol
-    shape = _put(_put(symbol.node.shape, a, symbol.node.shape[b]), b, symbol.node.shape[a])
+    shape = put(put(symbol.node.shape, a, symbol.node.shape[b]), b, symbol.node.shape[a])
     return _Symbol.of(Transpose(shape, symbol.node.dtype, symbol.node, a, b))
 
 
@@ -311,7 +167,7 @@ def plan_conversions(model: nn.Module, rules: KeyRules, sources: Mapping[str, tu
                      ) -> Conversions:
     """The model tensors that transformers' converters build from the checkpoint keys
     ``sources`` (key -> shape and dtype), each as a `Node`, by running the converters'
-    operations of ``rules`` (`annot.huggingface.keys.key_rules`) on symbols. Keys whose
+    operations of ``rules`` (`annot.formats.transformers_keys.key_rules`) on symbols. Keys whose
     converted name is not in the model are left out (they are unexpected keys, as for
     transformers). Raises `CheckpointError` naming the tensor and the operation where
     an operation is not a slice, stack, concatenation or transpose."""

@@ -1,0 +1,258 @@
+"""No rank skips a tower: a batch without an image (video, audio) on one rank while
+another rank's batch has one.
+
+A vision-language model runs its vision tower only when its batch has pixel values.
+Sharded, the tower's parameters are gathered when it runs (FSDP2 and FSDP1 per unit,
+ZeRO-3 per module) and its gradients reduced in backward, all collectives every rank
+must join in the same order. A rank whose batch has no image skips them: its next
+all-gather pairs with another rank's vision block (gloo aborts with "collective
+mismatch"; NCCL hangs: transformers#37186, LLaMA-Factory #5616/#5944; docs/design.md,
+pitfall 58).
+
+`ModalityStandIns`, a forward pre-hook and a forward hook on the transformers model,
+makes every rank run the tower whenever any rank does. Before each forward the ranks
+exchange which of their modalities are present (one small collective, only for a model
+with a tower and a world of more than one). When some ranks have a modality and others
+not, the lowest rank that has it sends its inputs for that modality (the arguments of
+the model's ``get_<modality>_features``: pixel values, image grids, ...) to the others,
+and each rank without it runs ``get_<modality>_features`` on them: the same tower and
+projector, the same collectives, and an output that is added to the step's result with
+weight zero (`ZeroContribution`: the forward's values unchanged bit for bit, the
+stand-in's gradients exactly zero). Data parallelism averages the ranks' gradients, so
+each rank's step is what it would be alone.
+
+The order of the collectives matters too. FSDP gathers the root's parameters before
+the forward and the tower's units when they run, so a stand-in run at the start of the
+forward meets the tower where the ranks with images run it (after the embeddings, which
+the root holds, before the first language layer). DeepSpeed ZeRO-3 gathers every module
+in the order it runs, embeddings included: there the ranks with the modality run their
+tower at the start of the forward too, and hand its output to the model through
+transformers' ``mm_encoder_outputs`` argument. A model without that argument is refused
+on ZeRO-3 at the step where the batches differ, before any collective of the tower; a
+model without ``get_<modality>_features`` is refused on every engine. Both errors say
+what to do, and every rank raises the same one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from annot.errors import AnnotError
+
+__all__ = ["MODALITIES", "ModalityStandIns", "StandInError", "ZeroContribution", "install_stand_ins"]
+
+#: Modality -> the transformers method computing its features (whose first argument is
+#: the input that says a batch has it: ``pixel_values``, ``pixel_values_videos``,
+#: ``input_features``).
+MODALITIES = ("image", "video", "audio")
+
+
+class StandInError(AnnotError, RuntimeError):
+    """Some ranks' batches lack a modality others have, and annot cannot make every rank
+    run its tower for this model and engine."""
+
+
+class ZeroContribution(torch.autograd.Function):
+    """``x`` unchanged, with ``others`` in its graph at weight zero: backward gives ``x``
+    its gradient as it is and every tensor of ``others`` an exact zero gradient (never
+    ``0 * inf``), so what produced them runs its backward (collectives included) and
+    accumulates nothing."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device)
+                        for shape, dtype, device in ctx.shapes))
+
+
+@dataclasses.dataclass
+class _Modality:
+    """One modality of a model: its feature method, the argument that carries it, the
+    arguments the method takes by name, and whether the forward takes precomputed
+    encoder outputs (``mm_encoder_outputs``)."""
+
+    name: str
+    method: Callable[..., Any]
+    trigger: str
+    parameters: tuple[str, ...]
+
+
+class ModalityStandIns:
+    """The hooks that make every rank run a tower any rank runs (module docstring).
+    ``ordered_gathers``: the engine gathers parameters module by module in the order
+    they run (DeepSpeed ZeRO-3), so the ranks with the modality compute it at the start
+    of the forward as well."""
+
+    def __init__(self, model: nn.Module, modalities: list[_Modality], ordered_gathers: bool) -> None:
+        self.model = model
+        self.modalities = modalities
+        self.ordered_gathers = ordered_gathers
+        self.forward_parameters = _parameters(model.forward)
+        self.takes_encoder_outputs = "mm_encoder_outputs" in self.forward_parameters
+        #: The stand-in outputs of this rank's current forward, attached after it.
+        self.pending: list[torch.Tensor] = []
+        #: How many forwards ran a stand-in on this rank (tests read it).
+        self.stand_ins = 0
+
+    def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        self.pending = []
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return None
+        bound = self._bound(args, kwargs)
+        present = tuple(bound.get(m.trigger) is not None for m in self.modalities)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, present)
+        changed = False
+        for index, modality in enumerate(self.modalities):
+            has = [flags[index] for flags in everyone]
+            if all(has) or not any(has):
+                continue
+            self._refuse_if_unable(modality, has)
+            source = has.index(True)
+            payload: list[dict[str, Any]] = [_to_cpu({name: bound[name] for name in modality.parameters
+                                                      if bound.get(name) is not None})
+                                             if has[dist.get_rank()] else {}]
+            dist.broadcast_object_list(payload, src=source)
+            if has[dist.get_rank()]:
+                if self.ordered_gathers:  # run it here, where every rank runs its stand-in
+                    own = {name: bound[name] for name in modality.parameters if bound.get(name) is not None}
+                    kwargs = {k: v for k, v in kwargs.items() if k != modality.trigger}
+                    encoder_outputs = dict(kwargs.get("mm_encoder_outputs") or {})
+                    encoder_outputs[modality.name] = modality.method(**own, return_dict=True)
+                    kwargs["mm_encoder_outputs"] = encoder_outputs
+                    args = tuple(a for a in args if a is not bound[modality.trigger])
+                    changed = True
+                continue
+            inputs = _to_device(payload[0], _device_of(module))
+            output = modality.method(**inputs, return_dict=True)
+            self.pending += [t for t in tree_leaves(_fields(output))
+                             if isinstance(t, torch.Tensor) and t.requires_grad]
+            self.stand_ins += 1
+        return (args, kwargs) if changed else None
+
+    def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        others, self.pending = self.pending, []
+        if not others:
+            return None
+        attached = False
+        for field in ("loss", "logits"):
+            value = getattr(output, field, None) if not isinstance(output, dict) else output.get(field)
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                output[field] = ZeroContribution.apply(value, *others)
+                attached = True
+        if not attached:
+            raise StandInError(
+                f"{type(module).__name__}'s output has neither loss nor logits to carry the "
+                "stand-in tower's zero-weighted output: give every rank's batch the same modalities")
+        return output
+
+    def _bound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The forward's arguments by name (positional ones named)."""
+        names = [n for n in self.forward_parameters if n not in kwargs]
+        return {**dict(zip(names, args, strict=False)), **kwargs}
+
+    def _refuse_if_unable(self, modality: _Modality, has: list[bool]) -> None:
+        if self.ordered_gathers and not self.takes_encoder_outputs:
+            missing = [r for r, h in enumerate(has) if not h]
+            raise StandInError(
+                f"ranks {missing} have no {modality.trigger} in this step while others do: "
+                f"{type(self.model).__name__} takes no mm_encoder_outputs, so annot cannot run "
+                "its tower at the same point on every rank, and DeepSpeed ZeRO-3 gathers "
+                "parameters module by module in the order they run (a rank skipping the tower "
+                "hangs the others). Give every rank's batch at least one "
+                f"{modality.name} (a blank one with its tokens masked out of the loss), or train "
+                "with engine='fsdp2', where annot runs a zero-weighted stand-in.")
+
+
+def install_stand_ins(model: nn.Module, *, ordered_gathers: bool) -> ModalityStandIns | None:
+    """Hook `ModalityStandIns` onto the transformers model ``model`` when it has a vision
+    or audio tower (`annot.policies.roles`); returns them, or ``None`` for a model
+    without one. A model with a tower but none of transformers' feature methods gets
+    hooks that refuse a step whose ranks differ."""
+    from annot.policies.roles import TOWERS, module_roles
+
+    if not any(role in TOWERS for role in module_roles(model).values()):
+        return None
+    modalities = []
+    for name in MODALITIES:
+        method = getattr(model, f"get_{name}_features", None)
+        if method is None:
+            continue
+        parameters = tuple(n for n, p in inspect.signature(method).parameters.items()
+                           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        if parameters:
+            modalities.append(_Modality(name, method, parameters[0], parameters))
+    stand_ins = ModalityStandIns(model, modalities, ordered_gathers)
+    if not modalities:
+        stand_ins.modalities = []
+        model.register_forward_pre_hook(_refusing(model), with_kwargs=True)
+        return stand_ins
+    model.register_forward_pre_hook(stand_ins.before, with_kwargs=True)
+    model.register_forward_hook(stand_ins.after, with_kwargs=True)
+    return stand_ins
+
+
+def _refusing(model: nn.Module) -> Callable[..., None]:
+    """A pre-hook for a model with a tower and no feature method: the ranks exchange
+    whether their batch carries any of the usual tower inputs, and all refuse together
+    when they differ (a rank skipping the tower would hang the others)."""
+    names = ("pixel_values", "pixel_values_videos", "input_features", "input_values")
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return
+        present = tuple(kwargs.get(n) is not None for n in names)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, present)
+        for index, name in enumerate(names):
+            has = [flags[index] for flags in everyone]
+            if any(has) and not all(has):
+                raise StandInError(
+                    f"ranks {[r for r, h in enumerate(has) if not h]} have no {name} in this step "
+                    f"while others do, and {type(model).__name__} has no get_*_features method "
+                    "through which annot could run its tower on every rank (a rank skipping it "
+                    "hangs the others): give every rank's batch the same modalities")
+
+    return hook
+
+
+def _parameters(function: Callable[..., Any]) -> list[str]:
+    try:
+        return [n for n, p in inspect.signature(function).parameters.items()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    except (TypeError, ValueError):
+        return []
+
+
+def _fields(output: Any) -> Any:
+    """A transformers ``ModelOutput`` as its values (a tuple), anything else as it is."""
+    return output.to_tuple() if hasattr(output, "to_tuple") else output
+
+
+def _to_cpu(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+
+def _to_device(values: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    """Where ``module`` computes: its first parameter's (local) device."""
+    for param in module.parameters():
+        if param.device.type != "meta":  # a DTensor's is its local device
+            return param.device
+    return torch.device("cpu")
