@@ -21,7 +21,7 @@ from annot.engines import checks
 from annot.engines.base import OptimizerFactory, Trainable, WrapRequest
 from annot.engines.registry import get_engine
 from annot.formats.choice import checkpoint_source
-from annot.huggingface.model import prepare_for_training
+from annot.huggingface.model import keep_output_capturing, prepare_for_training
 from annot.meta.deferred import deferred_init_of
 from annot.planning import resolve_plan
 from annot.policies import Plan, Policy, Rule
@@ -153,6 +153,7 @@ def auto_wrap(
     if deferred and steps.fills_before_wrap:                      # 5. storage and values
         steps.fill(model, request)
     wrapped = steps.wrap(model, request, opts)
+    keep_output_capturing(model)  # transformers' recorded outputs of re-classed modules
     if deferred and not steps.fills_before_wrap:
         steps.fill(wrapped, request)
     checks.forbid_stale_optimizers(before, wrapped, model, steps.name)

@@ -23,7 +23,9 @@ PLAN_EPILOG = """\
 targets:
   path/to/model.py:ClassName   a class built with --kwargs/--config as keyword arguments
   hf:<model_type>              a transformers architecture (hf:llama), config from --kwargs/--config
-  path/to/dir                  a local HuggingFace model directory (config.json)
+  path/to/dir                  a local HuggingFace model directory (config.json: transformers
+                               or diffusers), or a diffusers pipeline (model_index.json: its
+                               denoiser)
 
 rules (--policy, --checkpoint, --offload):
   class:NAME[,NAME]  name:GLOB  size:COUNT (100M, 1e8)  marked[:ACTION]  hf  repeated

@@ -1,7 +1,8 @@
 """Build the model a command-line TARGET names, on the meta device.
 
-TARGET is ``path/to/model.py:ClassName``, ``hf:<model_type>`` or a local directory
-holding a HuggingFace ``config.json``. Every failure is a `TargetError` whose message
+TARGET is ``path/to/model.py:ClassName``, ``hf:<model_type>``, a local directory
+holding a HuggingFace ``config.json`` (transformers' or diffusers'), or a diffusers
+pipeline directory (``model_index.json``: its denoiser is planned). Every failure is a `TargetError` whose message
 is one line naming the problem; the CLI prints it and exits with 2.
 """
 
@@ -84,15 +85,17 @@ def build_target(target: str, options: dict[str, Any], *, dtype: str | None = No
         file, _, class_name = target.rpartition(":")
         model = _build_from_file(Path(file), class_name, options)
     elif path.is_dir():
+        if _probe(path / "model_index.json", target).is_file():
+            path = _denoiser_folder(path, target)
         if not _probe(path / "config.json", target).is_file():
             raise TargetError(f"{target}: directory has no config.json (not a HuggingFace model)")
-        model = _build_hf(None, options, directory=path)
+        model = _build_diffusers(path, options) if _is_diffusers(path) else _build_hf(None, options, directory=path)
     elif path.is_file():
         raise TargetError(f"{target}: name the class too, as {target}:ClassName")
     else:
         raise TargetError(
             f"{target}: no such file or directory (expected path/model.py:Class, hf:<model_type> "
-            "or a directory with config.json)"
+            "or a directory with config.json or model_index.json)"
         )
     if dtype is not None:
         model = model.to(DTYPES[dtype])
@@ -245,6 +248,41 @@ def _build_hf(model_type: str | None, options: dict[str, Any], directory: Path |
 
         train_loaded_parameters(model, directory)
     return model
+
+
+def _denoiser_folder(path: Path, target: str) -> Path:
+    """The denoiser's folder of the diffusers pipeline folder ``path``."""
+    from annot.errors import CheckpointError
+    from annot.formats.diffusers import component_folder
+
+    try:
+        return component_folder(path, None)
+    except CheckpointError as exc:
+        raise TargetError(f"{target}: {_one_line(exc)}") from None
+
+
+def _is_diffusers(path: Path) -> bool:
+    from annot.formats.diffusers import is_diffusers_folder
+
+    try:
+        return is_diffusers_folder(path)
+    except AnnotError as exc:
+        raise TargetError(f"{path}: {_one_line(exc)}") from None
+
+
+def _build_diffusers(directory: Path, options: dict[str, Any]) -> nn.Module:
+    """The diffusers model of ``directory``'s config (``options`` override its values),
+    built on the meta device as `annot.from_pretrained` builds it, in float32."""
+    from annot.huggingface import diffusers_model
+
+    try:
+        config = {**diffusers_model.read_config(directory), **options}
+        with torch.device("meta"):
+            return diffusers_model.build(config, torch.float32)
+    except AnnotError as exc:
+        raise TargetError(f"{directory}: {_one_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - the class's own constructor
+        raise TargetError(f"building {config.get('_class_name')} failed: {_one_line(exc)}") from None
 
 
 def _one_line(exc: BaseException) -> str:

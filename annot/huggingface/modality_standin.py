@@ -28,9 +28,14 @@ the root holds, before the first language layer). DeepSpeed ZeRO-3 gathers every
 in the order it runs, embeddings included: there the ranks with the modality run their
 tower at the start of the forward too, and hand its output to the model through
 transformers' ``mm_encoder_outputs`` argument. A model without that argument is refused
-on ZeRO-3 at the step where the batches differ, before any collective of the tower; a
-model without ``get_<modality>_features`` is refused on every engine. Both errors say
-what to do, and every rank raises the same one.
+on ZeRO-3 at the step where the batches differ, before any collective of the tower.
+
+A model whose language model reads images through cross-attention layers that a
+text-only batch skips (Mllama) needs more than the tower: `CrossAttentionStandIn` runs
+the whole image path on the rank without images and turns each such layer into the
+identity at weight zero. Any other model with a tower and no ``get_<modality>_features``
+is refused on every engine. The errors say what to do, and every rank raises the same
+one.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from torch.utils._pytree import tree_leaves
 
 from annot.errors import AnnotError
 
-__all__ = ["MODALITIES", "ModalityStandIns", "StandInError", "ZeroContribution", "install_stand_ins"]
+__all__ = ["MODALITIES", "CrossAttentionStandIn", "ModalityStandIns", "StandInError", "ZeroContribution",
+           "install_stand_ins"]
 
 #: Modality -> the transformers method computing its features (whose first argument is
 #: the input that says a batch has it: ``pixel_values``, ``pixel_values_videos``,
@@ -97,6 +103,7 @@ class ModalityStandIns:
 
     def __init__(self, model: nn.Module, modalities: list[_Modality], ordered_gathers: bool) -> None:
         self.model = model
+        self.name = type(model).__name__  # before an engine re-classes it (FSDP2: FSDP<Name>)
         self.modalities = modalities
         self.ordered_gathers = ordered_gathers
         self.forward_parameters = _parameters(model.forward)
@@ -138,7 +145,7 @@ class ModalityStandIns:
                 continue
             inputs = _to_device(payload[0], _device_of(module))
             output = modality.method(**inputs, return_dict=True)
-            self.pending += [t for t in tree_leaves(_fields(output))
+            self.pending += [t for t in tree_leaves(_consumed(output))
                              if isinstance(t, torch.Tensor) and t.requires_grad]
             self.stand_ins += 1
         return (args, kwargs) if changed else None
@@ -155,7 +162,7 @@ class ModalityStandIns:
                 attached = True
         if not attached:
             raise StandInError(
-                f"{type(module).__name__}'s output has neither loss nor logits to carry the "
+                f"{self.name}'s output has neither loss nor logits to carry the "
                 "stand-in tower's zero-weighted output: give every rank's batch the same modalities")
         return output
 
@@ -169,7 +176,7 @@ class ModalityStandIns:
             missing = [r for r, h in enumerate(has) if not h]
             raise StandInError(
                 f"ranks {missing} have no {modality.trigger} in this step while others do: "
-                f"{type(self.model).__name__} takes no mm_encoder_outputs, so annot cannot run "
+                f"{self.name} takes no mm_encoder_outputs, so annot cannot run "
                 "its tower at the same point on every rank, and DeepSpeed ZeRO-3 gathers "
                 "parameters module by module in the order they run (a rank skipping the tower "
                 "hangs the others). Give every rank's batch at least one "
@@ -177,11 +184,14 @@ class ModalityStandIns:
                 "with engine='fsdp2', where annot runs a zero-weighted stand-in.")
 
 
-def install_stand_ins(model: nn.Module, *, ordered_gathers: bool) -> ModalityStandIns | None:
+def install_stand_ins(model: nn.Module, *, ordered_gathers: bool
+                      ) -> ModalityStandIns | CrossAttentionStandIn | None:
     """Hook `ModalityStandIns` onto the transformers model ``model`` when it has a vision
     or audio tower (`annot.policies.roles`); returns them, or ``None`` for a model
-    without one. A model with a tower but none of transformers' feature methods gets
-    hooks that refuse a step whose ranks differ."""
+    without one. A model without transformers' feature methods whose images reach the
+    language model through cross-attention layers gets `CrossAttentionStandIn`; any
+    other model with a tower and no feature method, hooks that refuse a step whose ranks
+    differ."""
     from annot.policies.roles import TOWERS, module_roles
 
     if not any(role in TOWERS for role in module_roles(model).values()):
@@ -195,14 +205,108 @@ def install_stand_ins(model: nn.Module, *, ordered_gathers: bool) -> ModalitySta
                            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
         if parameters:
             modalities.append(_Modality(name, method, parameters[0], parameters))
-    stand_ins = ModalityStandIns(model, modalities, ordered_gathers)
     if not modalities:
-        stand_ins.modalities = []
+        layers = _cross_attention_layers(model)
+        if layers:
+            cross = CrossAttentionStandIn(model, layers)
+            model.register_forward_pre_hook(cross.before, with_kwargs=True)
+            model.register_forward_hook(cross.after, with_kwargs=True)
+            return cross
         model.register_forward_pre_hook(_refusing(model), with_kwargs=True)
-        return stand_ins
+        return ModalityStandIns(model, [], ordered_gathers)
+    stand_ins = ModalityStandIns(model, modalities, ordered_gathers)
     model.register_forward_pre_hook(stand_ins.before, with_kwargs=True)
     model.register_forward_hook(stand_ins.after, with_kwargs=True)
     return stand_ins
+
+
+class CrossAttentionStandIn:
+    """The stand-in of a model whose language model reads the images only through
+    cross-attention layers that a text-only batch skips (Mllama: the layers
+    ``text_config.cross_attention_layers`` names). Running the tower is not enough
+    there: the ranks with images also run those layers, so a rank without runs its own
+    forward as if it had images (the first image inputs of the lowest rank with them,
+    one copy per sample, a cross-attention mask that shows no image to any token) and
+    each cross-attention layer's output is replaced by its input with the output at
+    weight zero (`ZeroContribution`). Its text stream is then the text-only forward's,
+    bit for bit (Mllama computes text rows differently when a batch has images, so
+    showing the images with a mask would not do), and the tower, projector and
+    cross-attention layers get exact zero gradients, in the order the other ranks run
+    them, on every engine."""
+
+    #: The inputs that carry the images (the cross-attention mask is made per rank).
+    IMAGE_INPUTS = ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module]) -> None:
+        self.name = type(model).__name__
+        self.forward_parameters = _parameters(model.forward)
+        self.active = False
+        self.stand_ins = 0
+        for layer in layers:
+            layer.register_forward_hook(self._identity, with_kwargs=True)
+
+    def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        self.active = False
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return None
+        names = [n for n in self.forward_parameters if n not in kwargs]
+        bound = {**dict(zip(names, args, strict=False)), **kwargs}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, bound.get("pixel_values") is not None)
+        if all(everyone) or not any(everyone):
+            return None
+        has = bound.get("pixel_values") is not None
+        mask = bound.get("cross_attention_mask")
+        payload: list[dict[str, Any]] = [_to_cpu(
+            {**{n: bound[n][:1] for n in self.IMAGE_INPUTS if bound.get(n) is not None},
+             "mask_shape": tuple(mask.shape[2:]) if isinstance(mask, torch.Tensor) else None}) if has else {}]
+        dist.broadcast_object_list(payload, src=everyone.index(True))
+        if has:
+            return None
+        ids = bound.get("input_ids", bound.get("inputs_embeds"))
+        if not isinstance(ids, torch.Tensor) or payload[0]["mask_shape"] is None:
+            raise StandInError(f"{self.name}: a rank without images needs input_ids (or inputs_embeds) "
+                               "and the others a cross_attention_mask to stand in for them")
+        samples, length = ids.shape[:2]
+        device = _device_of(module)
+        kwargs = {k: v for k, v in kwargs.items() if k not in self.IMAGE_INPUTS}
+        for name in self.IMAGE_INPUTS:
+            if name in payload[0]:
+                first = payload[0][name].to(device)
+                kwargs[name] = first.repeat(samples, *([1] * (first.dim() - 1)))
+        kwargs["cross_attention_mask"] = torch.zeros(samples, length, *payload[0]["mask_shape"],
+                                                     dtype=torch.long, device=device)
+        args = tuple(a for a in args if a is not bound.get("cross_attention_mask"))
+        self.active = True
+        self.stand_ins += 1
+        return args, kwargs
+
+    def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        self.active = False
+
+    def _identity(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if not self.active:
+            return None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if isinstance(output, tuple):
+            return (ZeroContribution.apply(hidden, output[0]), *output[1:])
+        return ZeroContribution.apply(hidden, output)
+
+
+def _cross_attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The language model's layers that read images through cross-attention and that a
+    text-only forward skips: those its text config lists as ``cross_attention_layers``
+    (Mllama), in the ``layers`` list of the module holding that config."""
+    text_config = getattr(getattr(model, "config", None), "text_config", None)
+    indices = getattr(text_config, "cross_attention_layers", None)
+    if not isinstance(indices, (list, tuple)) or not indices:
+        return []
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if getattr(module, "config", None) is text_config and isinstance(layers, nn.ModuleList):
+            return [layers[i] for i in indices if 0 <= i < len(layers)]
+    return []
 
 
 def _refusing(model: nn.Module) -> Callable[..., None]:
@@ -210,6 +314,7 @@ def _refusing(model: nn.Module) -> Callable[..., None]:
     whether their batch carries any of the usual tower inputs, and all refuse together
     when they differ (a rank skipping the tower would hang the others)."""
     names = ("pixel_values", "pixel_values_videos", "input_features", "input_values")
+    model_name = type(model).__name__  # before an engine re-classes it
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
@@ -222,7 +327,7 @@ def _refusing(model: nn.Module) -> Callable[..., None]:
             if any(has) and not all(has):
                 raise StandInError(
                     f"ranks {[r for r, h in enumerate(has) if not h]} have no {name} in this step "
-                    f"while others do, and {type(model).__name__} has no get_*_features method "
+                    f"while others do, and {model_name} has no get_*_features method "
                     "through which annot could run its tower on every rank (a rank skipping it "
                     "hangs the others): give every rank's batch the same modalities")
 
@@ -237,9 +342,25 @@ def _parameters(function: Callable[..., Any]) -> list[str]:
         return []
 
 
-def _fields(output: Any) -> Any:
-    """A transformers ``ModelOutput`` as its values (a tuple), anything else as it is."""
-    return output.to_tuple() if hasattr(output, "to_tuple") else output
+#: The fields of a features method's output that transformers' models consume (the
+#: features, projected; Qwen3-VL's deepstack features too), the first found that exist.
+_CONSUMED = ("pooler_output", "deepstack_features")
+
+
+def _consumed(output: Any) -> list[Any]:
+    """What of a features method's output the model goes on to use, and so what the
+    stand-in attaches: exactly those, because what is attached decides which
+    parameters get a (zero) gradient, and a rank that gives a gradient to parameters
+    the other ranks' step leaves without one (the tower's last layer when features come
+    from an earlier one) or the other way round reduces a different set of tensors. The
+    intermediate hidden states are never attached: given their gradient at once, a
+    checkpointed block of the stand-in was recomputed before its turn and the ranks'
+    all-gathers crossed (LLaVA-OneVision)."""
+    found = [getattr(output, name) for name in _CONSUMED if getattr(output, name, None) is not None]
+    if found:
+        return found
+    last = getattr(output, "last_hidden_state", None)
+    return [last] if last is not None else [output]
 
 
 def _to_cpu(values: dict[str, Any]) -> dict[str, Any]:

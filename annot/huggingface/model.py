@@ -25,6 +25,7 @@ from annot.module_state import module_state
 __all__ = [
     "AUTO_CLASS_ORDER",
     "is_diffusers_model",
+    "keep_output_capturing",
     "is_peft_model",
     "is_pretrained_model",
     "keep_in_fp32_names",
@@ -240,6 +241,35 @@ def _hf_checkpointing(model: nn.Module) -> bool:
     if flag is None:
         flag = getattr(type(model), "is_gradient_checkpointing", None)
     return bool(flag.__get__(model)) if isinstance(flag, property) else False
+
+
+def keep_output_capturing(model: nn.Module) -> int:
+    """Let transformers find the outputs it records for modules an engine gave a class of
+    its own: FSDP2's ``fully_shard`` swaps a module's class for a subclass named
+    ``FSDP<Name>``, and transformers 5 looks up which outputs a model records
+    (``_can_record_outputs``: the hidden states a vision tower's caller selects) by the
+    class's string, so a sharded SigLIP tower returned no hidden states and
+    LLaVA-OneVision's ``get_image_features`` failed on ``None`` (docs/design.md, pitfall
+    59). Each swapped class is registered under the entry of the class it wraps. Returns
+    how many were registered; a transformers without that registry is left alone."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return 0
+    registry = getattr(output_capturing, "_CAN_RECORD_REGISTRY", None)
+    if not isinstance(registry, dict):
+        return 0
+    added = 0
+    for module in model.modules():
+        cls = type(module)
+        bare = cls.__bases__[-1] if len(cls.__bases__) > 1 else None
+        if bare is None or cls.__name__ != f"FSDP{bare.__name__}" or str(cls) in registry:
+            continue
+        entry = dict.get(registry, str(bare))
+        if entry is not None:
+            dict.__setitem__(registry, str(cls), entry)
+            added += 1
+    return added
 
 
 def is_diffusers_model(model: nn.Module) -> bool:

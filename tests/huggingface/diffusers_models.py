@@ -1,0 +1,100 @@
+"""The diffusion transformers of issue #42's checks (Flux, SD3, Wan): tiny configs from
+the probe's recipe, a pipeline folder around each (``model_index.json`` and the
+component folders diffusers writes), each rank's flow-matching batch, and the
+single-process reference (diffusers' own ``from_pretrained``, one step per rank's
+batch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SEED = 0
+BATCH = 2
+LOSS_RTOL = 1e-5
+GRAD_ATOL = 1e-4
+# bfloat16 parameters (Wan as diffusers loads it in bf16): each rank's step is one
+# process's, bit for bit, but FSDP2 averages the two ranks' bfloat16 gradients in
+# bfloat16 where the reference averages them in float32: two roundings of 2^-8 each, on
+# top of the absolute bound.
+BF16_GRAD_RTOL = 2 ** -7
+
+#: name -> (class, dtype it is loaded in)
+DENOISERS = {
+    "flux": ("FluxTransformer2DModel", torch.float32),
+    "sd3": ("SD3Transformer2DModel", torch.float32),
+    "wan": ("WanTransformer3DModel", torch.float32),
+    "wan_bf16": ("WanTransformer3DModel", torch.bfloat16),
+}
+BATCHES = "batches.pt"
+
+
+def build(name: str) -> torch.nn.Module:
+    import diffusers
+
+    from tests.huggingface.diffusers_configs import tiny_denoiser_config
+
+    cls_name, _ = DENOISERS[name]
+    torch.manual_seed(SEED)
+    return getattr(diffusers, cls_name).from_config(tiny_denoiser_config(cls_name))
+
+
+def save_pipeline(name: str, root: Path) -> Path:
+    """A pipeline folder holding the tiny denoiser of ``name`` as ``transformer/`` and its
+    batches (per rank, in the dtype the model is loaded in)."""
+    import diffusers
+
+    from annot.huggingface.denoiser_inputs import denoiser_inputs
+
+    model = build(name)
+    model.save_pretrained(root / "transformer")
+    cls_name, dtype = DENOISERS[name]
+    (root / "model_index.json").write_text(json.dumps({
+        "_class_name": "TinyPipeline", "_diffusers_version": diffusers.__version__,
+        "transformer": ["diffusers", cls_name], "scheduler": [None, None]}))
+    batches = [denoiser_inputs(model.to(dtype), batch=BATCH, generator=torch.Generator().manual_seed(100 + rank))
+               for rank in range(2)]
+    torch.save(batches, root / BATCHES)
+    return root
+
+
+def loaded(name: str, root: Path) -> torch.nn.Module:
+    """diffusers' own load of the pipeline's denoiser, in the test's dtype."""
+    import diffusers
+
+    cls_name, dtype = DENOISERS[name]
+    return getattr(diffusers, cls_name).from_pretrained(root / "transformer", torch_dtype=dtype)
+
+
+def reference(name: str, root: Path) -> tuple[float, dict[str, torch.Tensor]]:
+    """One step of diffusers' load per rank's batch: the mean loss and mean gradients."""
+    from annot.huggingface.denoiser_inputs import flow_matching_loss
+
+    losses, grads = [], []
+    for inputs, target in torch.load(root / BATCHES, weights_only=False):
+        model = loaded(name, root).train()
+        loss = flow_matching_loss(model, inputs, target)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None})
+    return sum(losses) / len(losses), {n: sum(g[n] for g in grads) / len(grads) for n in grads[0]}
+
+
+def compare(name: str, ref: tuple[float, dict[str, torch.Tensor]], got: dict[str, Any]) -> list[str]:
+    rtol = BF16_GRAD_RTOL if DENOISERS[name][1] == torch.bfloat16 else 0.0
+    ref_loss, ref_grads = ref
+    problems = []
+    if not abs(got["loss"] - ref_loss) <= LOSS_RTOL * abs(ref_loss):
+        problems.append(f"loss {got['loss']!r} vs {ref_loss!r}")
+    for param, grad in ref_grads.items():
+        mine = got["grads"].get(param)
+        if mine is None:
+            problems.append(f"no gradient for {param}")
+            continue
+        excess = ((mine.float() - grad).abs() - (GRAD_ATOL + rtol * grad.abs())).max().item()
+        if not excess <= 0:
+            problems.append(f"gradient of {param} off by {excess:.2e} beyond the bound")
+    return problems
