@@ -208,37 +208,37 @@ def _no_checkpoint_of_cache_writers(index: ModelIndex, units: list[Unit]) -> tup
 
 
 def _tower_units(index: ModelIndex, units: list[Unit], roles: dict[str, str], mode: str) -> list[Unit]:
-    """Each vision or audio tower (`annot.policies.roles`) as a shard unit of its own, so
-    what its blocks leave (patch embeddings, norms, a merger) is not gathered with the
-    root for the whole step; with one tower, the projectors beside it join its unit
-    (they run right after it, on its output). ``mode="whole"``: the tower (and its
-    projectors) is the only shard unit in it, its blocks keep their checkpointing;
-    ``"blocks"``: the blocks stay units of their own inside it."""
+    """Each vision or audio tower (`annot.policies.roles`) a shard unit of its own, so what
+    its blocks leave (patch embeddings, norms, a merger inside it) is not gathered with
+    the root for the whole step, and each projector outside the towers a unit too (one
+    module per unit: FSDP1 wraps no group). ``mode="whole"``: the tower is the only shard
+    unit in it, its blocks keep their checkpointing; ``"blocks"``: the blocks stay units
+    of their own inside it."""
     towers = [path for path, role in roles.items() if role in TOWERS and path]
     if not towers:
         return units
     projectors = [path for path, role in roles.items() if role == "projector"
-                  and not any(is_under(path, t) for t in towers)] if len(towers) == 1 else []
+                  and not any(is_under(path, t) for t in towers)]
     out = list(units)
     if mode == "whole":
         out = [dataclasses.replace(u, actions=tuple(a for a in u.actions if a is not Action.SHARD),
-                                   reason=u.reason + f"; not sharded apart: inside the {roles[t]} tower's unit")
-               if any(is_under(u.path, t) and u.path != t for t in towers) and u.has(Action.SHARD) else u
-               for u in out for t in [next((t for t in towers if is_under(u.path, t)), "")]]
+                                   reason=u.reason + f"; not sharded apart: inside the {roles[tower]} tower's unit")
+               if u.has(Action.SHARD) and tower else u
+               for u in out for tower in [next((t for t in towers if is_under(u.path, t) and u.path != t), "")]]
         out = [u for u in out if u.actions]
     by_path = {u.path: u for u in out}
-    for tower in towers:
-        members = [p for p in projectors if p not in by_path] if tower == towers[0] else []
-        reason = f"shard: towers={mode} ({roles[tower]} tower" + (
-            f" with its projector {', '.join(members)})" if members else ")")
-        existing = by_path.get(tower)
+    for path in [*towers, *projectors]:
+        what = f"{roles[path]} tower" if path in towers else "projector"
+        reason = f"shard: towers={mode} ({what})"
+        existing = by_path.get(path)
         if existing is not None:
-            merged = dataclasses.replace(existing, actions=tuple(a for a in Action if a in {*existing.actions, Action.SHARD}),
-                                         group=(*existing.group, *members), reason=existing.reason + "; " + reason)
-            out = [merged if u.path == tower else u for u in out]
-        else:
-            out.append(Unit(path=tower, cls=qualified_class_name(index.modules[tower]), params=0, bytes={},
-                            actions=(Action.SHARD,), reason=reason, group=tuple(members)))
+            if not existing.has(Action.SHARD):
+                merged = dataclasses.replace(existing, actions=tuple(a for a in Action if a in {*existing.actions, Action.SHARD}),
+                                             reason=existing.reason + "; " + reason)
+                out = [merged if u.path == path else u for u in out]
+        elif not any(is_under(path, u.path) and u.has(Action.SHARD) and u.path for u in out):
+            out.append(Unit(path=path, cls=qualified_class_name(index.modules[path]), params=0, bytes={},
+                            actions=(Action.SHARD,), reason=reason))
     return out
 
 

@@ -55,9 +55,9 @@ class Policy:
     their own (a model kept partly in float32 by its library, Wan's ``scale_shift_table``
     beside bfloat16 blocks: FSDP shards one dtype per unit; docs/design.md, pitfall 57).
     ``towers`` makes each vision or audio tower of a multimodal model
-    (`annot.policies.roles`) a unit, with the projector beside it: ``"blocks"`` keeps
-    the tower's blocks units of their own inside it, ``"whole"`` shards the tower as one
-    unit (its blocks still checkpointed); ``None`` leaves towers to the rules.
+    (`annot.policies.roles`) a unit, and each projector beside it another: ``"blocks"``
+    keeps the tower's blocks units of their own inside it, ``"whole"`` shards the tower as
+    one unit (its blocks still checkpointed); ``None`` leaves towers to the rules.
     """
 
     shard: Rule | None = None

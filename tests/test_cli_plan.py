@@ -322,3 +322,39 @@ def test_plan_memory_refuses_a_16_bit_precision_the_model_fails_with_when_it_is_
                          "--precision", "bf16-mixed")
     assert code == 2 and out == ""
     assert "--precision bf16-mixed traces the forward with 16-bit parameters" in err
+
+
+# A model whose config says 512 positions but whose forward reaches only 300 tokens (as
+# ProphetNet's n-gram streams take positions beyond the ones it is given).
+_SHORT_REACH = (
+    "import types\n"
+    "import torch\n"
+    "from torch import nn\n"
+    "class ShortReach(nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.config = types.SimpleNamespace(max_position_embeddings=512)\n"
+    "        self.embed = nn.Embedding(16, 8)\n"
+    "        self.block = nn.Linear(8, 8)\n"
+    "    def forward(self, input_ids=None):\n"
+    "        if input_ids.shape[1] > 300:\n"
+    "            raise RuntimeError('positions beyond the table')\n"
+    "        return self.block(self.embed(input_ids)).sum()\n")
+
+
+def test_plan_memory_traces_a_shorter_default_seq_where_the_model_cannot_reach_its_own(capsys, tmp_path):
+    source = tmp_path / "reach.py"
+    source.write_text(_SHORT_REACH)
+    code, out, _ = run(capsys, "plan", f"{source}:ShortReach", "--policy", "name:block", "--memory")
+    assert code == 0, out
+    note = out.splitlines()[-1]
+    assert note.startswith("note: traced at --seq 256: ShortReach.forward fails at the default 512")
+    assert "batch 1 x seq 256 per GPU" in out
+
+
+def test_plan_memory_given_seq_the_model_cannot_reach_is_an_error_not_a_fallback(capsys, tmp_path):
+    source = tmp_path / "reach.py"
+    source.write_text(_SHORT_REACH)
+    code, out, err = run(capsys, "plan", f"{source}:ShortReach", "--policy", "name:block", "--memory",
+                         "--seq", "400")
+    assert code == 2 and out == "" and "positions beyond the table" in err

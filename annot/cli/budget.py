@@ -27,6 +27,7 @@ def run_budget(args: argparse.Namespace, model: Any, plan: Any, budget: int | No
     exit status."""
     from annot.memory import MARGIN, RESERVE
     from annot.memory.budget import BudgetError, budget_solver
+    from annot.memory.inputs import model_inputs
     from annot.policies import AnnotError
 
     try:
@@ -38,7 +39,7 @@ def run_budget(args: argparse.Namespace, model: Any, plan: Any, budget: int | No
             tflops=args.tflops, hbm_bw=args.hbm_bw, host_bw=args.host_bw,
             margin=MARGIN if args.margin is None else args.margin,
             reserve=RESERVE if reserve is None else reserve, cp=cp_sizes(args.cp),
-            cp_attention=args.cp_attention)
+            cp_attention=args.cp_attention, inputs=model_inputs(media_sizes(args)))
         answer = solver.fit(budget)
         if args.plot is not None:
             from annot.memory.plot import plot_budget
@@ -57,3 +58,11 @@ def run_budget(args: argparse.Namespace, model: Any, plan: Any, budget: int | No
         if args.plot is not None:
             print(f"picture: {args.plot}")
     return 0
+
+
+def media_sizes(args: argparse.Namespace) -> Any:
+    """`annot.memory.inputs.MediaSizes` from the command line's size options."""
+    from annot.memory.inputs import MediaSizes
+
+    return MediaSizes(image_size=args.image_size, images=args.images, audio_frames=args.audio_frames,
+                      latent_size=args.latent_size, frames=args.frames, text_tokens=args.text_tokens)

@@ -80,6 +80,20 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     memory.add_argument("--seq", type=int, default=None,
                         help="sequence length (default: 2048, or the model's longest if shorter: "
                              "max_position_embeddings, n_positions)")
+    memory.add_argument("--image-size", type=int, metavar="PIXELS",
+                        help="a vision-language or image model's images: pixels a side (default: "
+                             "its vision config's); their tokens count in --seq")
+    memory.add_argument("--images", type=int, default=1, metavar="N",
+                        help="images per sample of a vision-language model (default: 1)")
+    memory.add_argument("--audio-frames", type=int, metavar="N",
+                        help="a speech or audio model's input frames (default: what its encoder takes)")
+    memory.add_argument("--latent-size", type=int, metavar="N",
+                        help="a diffusion transformer's latent height and width before patching "
+                             "(default: 8)")
+    memory.add_argument("--frames", type=int, metavar="N",
+                        help="a video diffusion transformer's latent frames (default: 2)")
+    memory.add_argument("--text-tokens", type=int, metavar="N",
+                        help="a diffusion transformer's prompt tokens (default: 8)")
     memory.add_argument("--precision", default=None,
                         choices=("fp32", "amp", "bf16-mixed", "fp16-mixed", "bf16"),
                         help="fp32; amp (fp32 states, torch.autocast); 16-bit mixed with fp32 "
@@ -257,34 +271,34 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(f"annot plan: error: {exc}", file=sys.stderr)
             return 2
         return run_budget(args, model, plan, budget, reserve)
-    from annot.cli.budget import cp_sizes
+    from annot.cli.budget import cp_sizes, media_sizes
     from annot.memory import MARGIN, estimate_memory
     from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, TFLOPS
 
     def given(value: float | None, default: float) -> float:
         return default if value is None else value
 
-    def estimate(precision: str):
+    def estimate(precision: str, seq: int):
         return estimate_memory(
-            model, plan, gpus=args.gpus, nodes=args.nodes, batch=args.batch,
-            seq=args.seq or default_seq(model),
+            model, plan, gpus=args.gpus, nodes=args.nodes, batch=args.batch, seq=seq,
             precision=precision, optimizer=args.optimizer,
             gpu_mem=gpu_mem, host_mem=host_mem,
             margin=MARGIN if args.margin is None else args.margin, reserve=reserve,
             intra_node_bw=given(args.intra_node_bw, INTRA_NODE_BW),
             inter_node_bw=given(args.inter_node_bw, INTER_NODE_BW), tflops=given(args.tflops, TFLOPS),
             cp=cp_sizes(args.cp), cp_attention=args.cp_attention,
-            deepspeed_config=args.deepspeed_config, gpu=args.gpu,
+            deepspeed_config=args.deepspeed_config, gpu=args.gpu, media=media_sizes(args),
         )
 
     notes: list[str] = []
+    seq = args.seq or default_seq(model)
     try:
         try:
-            report = estimate(args.precision)
+            report = estimate(args.precision, seq)
         except Exception as exc:
             if args.precision_given or not fails_in_16_bit(exc, args.precision):
                 raise
-            report = estimate(FALLBACK_PRECISION)
+            report = estimate(FALLBACK_PRECISION, seq)
             notes.append(f"{type(model).__name__}.forward fails with 16-bit parameters "
                          f"({type(exc).__name__}: {_first_line(exc)}), which the default --precision {args.precision} "
                          f"gives it: planned with --precision {FALLBACK_PRECISION} instead (fp32 "
@@ -294,8 +308,12 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"annot plan: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # the model's own forward failed under fake tensors
-        print(f"annot plan: error: {trace_failure(model, exc, args.precision)}", file=sys.stderr)
-        return 2
+        retried = _shorter_default_seq(args, model, seq, lambda s: estimate(args.precision, s), exc)
+        if retried is None:
+            print(f"annot plan: error: {trace_failure(model, exc, args.precision)}", file=sys.stderr)
+            return 2
+        report, note = retried
+        notes.append(note)
     notes += _unpriced(plan)
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "memory": report.to_dict(), "notes": notes}, indent=2))
@@ -306,6 +324,32 @@ def _run_plan(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"note: {note}")
     return 0
+
+
+#: The shortest sequence `_shorter_default_seq` tries.
+SHORTEST_DEFAULT_SEQ = 128
+
+
+def _shorter_default_seq(args: argparse.Namespace, model, seq: int, estimate, failure: Exception):
+    """When ``--seq`` was not given and the trace failed at the default length (the
+    config's ``max_position_embeddings``, which a model may not reach: ProphetNet's
+    n-gram streams take positions beyond it, and it fails at 511 of its 512 for real
+    too), the report at the longest shorter length (halving, down to
+    `SHORTEST_DEFAULT_SEQ`) that traces, and a note saying so; ``None`` when --seq was
+    given or no length traces."""
+    if args.seq is not None:
+        return None
+    shorter = seq // 2
+    while shorter >= SHORTEST_DEFAULT_SEQ:
+        try:
+            report = estimate(shorter)
+        except Exception:  # noqa: BLE001 - the model's own forward again: try shorter
+            shorter //= 2
+            continue
+        return report, (f"traced at --seq {shorter}: {type(model).__name__}.forward fails at the "
+                        f"default {seq} ({type(failure).__name__}: {_first_line(failure)}); "
+                        "--seq chooses the length")
+    return None
 
 
 def _unpriced(plan) -> list[str]:
@@ -321,10 +365,12 @@ def _unpriced(plan) -> list[str]:
 
 def _run_fit(args: argparse.Namespace, model, options, plan_of, gpu_mem, host_mem, reserve) -> int:
     """``--memory --fit NAME``: the largest NAME per strategy, and the largest batch."""
+    from annot.cli.budget import media_sizes
     from annot.cli.targets import build_target
     from annot.memory import MARGIN, RESERVE
     from annot.memory.fit import format_fit, largest_fit
     from annot.memory.gpu_kinds import gpu_kind
+    from annot.memory.inputs import model_inputs
     from annot.policies import AnnotError
 
     at = options.get(args.fit, getattr(getattr(model, "config", None), args.fit, None))
@@ -335,6 +381,7 @@ def _run_fit(args: argparse.Namespace, model, options, plan_of, gpu_mem, host_me
     try:
         answers = largest_fit(
             lambda v: build_target(args.target, {**options, args.fit: v}, dtype=args.dtype), at,
+            inputs=model_inputs(media_sizes(args)),
             keys=[k.strip() for k in args.fit_strategies.split(",") if k.strip()],
             plan_of=plan_of, gpus=args.gpus, nodes=args.nodes, batch=args.batch,
             seq=args.seq or default_seq(model),

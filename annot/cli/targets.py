@@ -85,8 +85,9 @@ def build_target(target: str, options: dict[str, Any], *, dtype: str | None = No
         file, _, class_name = target.rpartition(":")
         model = _build_from_file(Path(file), class_name, options)
     elif path.is_dir():
-        if _probe(path / "model_index.json", target).is_file():
-            path = _denoiser_folder(path, target)
+        if not _probe(path / "config.json", target).is_file() and \
+                _probe(path / "model_index.json", target).is_file():
+            path = _denoiser_folder(path, target)  # a diffusers pipeline: its denoiser
         if not _probe(path / "config.json", target).is_file():
             raise TargetError(f"{target}: directory has no config.json (not a HuggingFace model)")
         model = _build_diffusers(path, options) if _is_diffusers(path) else _build_hf(None, options, directory=path)

@@ -18,14 +18,17 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from annot.errors import (
     CheckpointError,
+    EngineNotAvailableError,
     MetaDeviceError,
     OptimizerOrderError,
     ProcessGroupNotInitializedError,
 )
+from annot.huggingface.model import computes_outside_forward
 
 __all__ = [
     "forbid_stale_optimizers",
     "check_not_meta",
+    "refuse_computing_outside_forward",
     "refuse_mapping",
     "require_process_group",
 ]
@@ -150,3 +153,16 @@ def _refuse_added_after_wrapping(optimizer: torch.optim.Optimizer) -> None:
                 f"which does not synchronise them across ranks: each rank would train its own "
                 "values. Add adapters before wrapping: annot.from_pretrained(..., "
                 "peft_config=...), or peft.get_peft_model(model, ...) before annot.auto_wrap.")
+
+
+def refuse_computing_outside_forward(model: nn.Module, engine: str) -> None:
+    """Raise `EngineNotAvailableError` for a model whose layers compute with their
+    parameters outside their forward (`annot.huggingface.model.COMPUTES_OUTSIDE_FORWARD`:
+    Reformer's reversible layers), on an engine that gathers a unit's parameters in
+    forward hooks: it would crash inside the engine, or train on sharded values."""
+    found = computes_outside_forward(model)
+    if found is not None:
+        cls, why = found
+        raise EngineNotAvailableError(
+            f"{type(model).__name__} cannot be sharded by {engine}: {cls}: {why}. Train it with "
+            "engine='ddp' (or DeepSpeed ZeRO-1/2), which keep whole parameters")

@@ -46,7 +46,7 @@ from annot.engines.base import (
     resolve_dtype,
     trained_parameters,
 )
-from annot.engines.checks import require_process_group
+from annot.engines.checks import refuse_computing_outside_forward, require_process_group
 from annot.engines.deepspeed_config import deepspeed_config
 from annot.engines.deepspeed_cpu_adam import host_optimizer_factory
 from annot.engines.deepspeed_partitions import (
@@ -308,6 +308,8 @@ class DeepSpeed(Engine[DeepSpeedOptions]):
             quantized_gradients=options.quantized_gradients)
         self.cpu_adam = options.cpu_adam
         stage = self.stage
+        if stage == 3:
+            refuse_computing_outside_forward(model, f"{self.name} ZeRO-3")
         if options.leaf_modules is not None and stage != 3:
             raise ValueError(
                 f"leaf_modules is a ZeRO-3 setting, but the ZeRO stage is {stage}: use stage=3 "

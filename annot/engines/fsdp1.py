@@ -45,6 +45,7 @@ from annot.engines.base import (
     resolve_dtype,
     resolve_torch_offload,
 )
+from annot.engines.checks import refuse_computing_outside_forward
 from annot.engines.dtypes import refuse_fsdp1_dtypes
 from annot.engines.mesh import MeshLike, data_parallel_mesh, refuse_context_parallel, resolve_mesh
 from annot.engines.tool_policy import PlanPolicy
@@ -120,6 +121,7 @@ class FSDP1(Engine[FSDP1Options]):
         refuse_plan_activation_choices(plan, self.name, selective=True, offload=False)
         _refuse_offload_on_cpu(bool(options.offload), request.device)
         refuse_fsdp1_dtypes(model, plan)
+        refuse_computing_outside_forward(model, self.name)
         if options.offload is None:  # the Plan decides what is offloaded
             refuse_nvme_marks(plan, self.name)
             if any(u.has(Action.OFFLOAD) for u in plan.units):

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["denoiser_inputs", "flow_matching_loss", "served_classes"]
+__all__ = ["denoiser_inputs", "flow_matching_loss", "prediction_loss", "served_classes"]
 
 DEFAULT_LATENT = 8  # latent height = width, before any patching: 2x2 packing leaves a 4x4 grid
 DEFAULT_FRAMES = 2  # latent frames of a video model
@@ -277,8 +277,15 @@ def flow_matching_loss(model: nn.Module, inputs: Mapping[str, Any], target: torc
     the tuple or output object the forward returns and brought into the target's layout
     the way the class's pipeline reads it (first half of a learned-variance output,
     negated for classes predicting ``x0 - noise``, streams joined)."""
+    return prediction_loss(model, model(**inputs), target)
+
+
+def prediction_loss(model: nn.Module, output: Any, target: torch.Tensor) -> torch.Tensor:
+    """The flow-matching loss of ``output``, what ``model``'s forward returned for the
+    inputs `denoiser_inputs` gave with ``target`` (for a caller that runs the forward
+    itself: annot's memory trace)."""
     _, spec = _spec(model)
-    prediction = spec.predict(model(**inputs), target)
+    prediction = spec.predict(output, target)
     if prediction.shape != target.shape:
         raise ValueError(f"{type(model).__name__}: prediction of shape {tuple(prediction.shape)} does not match "
                          f"the target's {tuple(target.shape)}")

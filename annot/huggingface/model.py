@@ -24,6 +24,8 @@ from annot.module_state import module_state
 
 __all__ = [
     "AUTO_CLASS_ORDER",
+    "COMPUTES_OUTSIDE_FORWARD",
+    "computes_outside_forward",
     "is_diffusers_model",
     "keep_output_capturing",
     "is_peft_model",
@@ -241,6 +243,26 @@ def _hf_checkpointing(model: nn.Module) -> bool:
     if flag is None:
         flag = getattr(type(model), "is_gradient_checkpointing", None)
     return bool(flag.__get__(model)) if isinstance(flag, property) else False
+
+
+#: Layer classes of transformers models that compute with their parameters outside
+#: their own forward, where an engine that gathers parameters in forward hooks (FSDP2,
+#: FSDP1, ZeRO-3) finds them sharded, with why.
+COMPUTES_OUTSIDE_FORWARD = {
+    "ReformerLayer": "its reversible residual layers recompute themselves during backward "
+                     "through their backward_pass method, which no forward hook sees, so their "
+                     "parameters are still sharded there (\"got mixed torch.Tensor and DTensor\")",
+}
+
+
+def computes_outside_forward(model: nn.Module) -> tuple[str, str] | None:
+    """``(class name, why)`` of the first layer of ``model`` that computes with its
+    parameters outside its forward (`COMPUTES_OUTSIDE_FORWARD`), or ``None``."""
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            if cls.__name__ in COMPUTES_OUTSIDE_FORWARD:
+                return cls.__name__, COMPUTES_OUTSIDE_FORWARD[cls.__name__]
+    return None
 
 
 def keep_output_capturing(model: nn.Module) -> int:

@@ -255,30 +255,33 @@ def _constructor(folder: Path, torch_dtype: torch.dtype | str | None, trust_remo
 
 
 def train_loaded_parameters(model: nn.Module, path: str | os.PathLike[str]) -> list[str]:
-    """Make trainable every floating-point parameter of ``model`` that the checkpoint at
-    ``path`` provides, as transformers' ``from_pretrained`` does: it wraps each loaded
-    tensor in a new ``Parameter`` with ``requires_grad=is_floating_point()``, whatever
-    the constructor chose, so Marian's, Pegasus' and RoFormer's sinusoidal position
-    tables (frozen when built) train after a load. annot matches that, because plain
+    """Make trainable every floating-point parameter of the transformers model ``model``,
+    as transformers' ``from_pretrained`` does: it wraps each tensor it loads in a new
+    ``Parameter`` with ``requires_grad=is_floating_point()``, and each parameter the
+    checkpoint lacks (not tied to one it has) in a new one the same way before
+    initialising it, whatever the constructor chose. So Marian's, Pegasus' and RoFormer's
+    sinusoidal position tables, frozen when built, train after a load, those the checkpoint
+    holds and those it leaves out (MarianMT's, ignored on save: issue #42 found annot's
+    step 1.2e-4 off from the second step). annot matches that, because plain
     ``from_pretrained`` is what users compare with, and says so: the changed names go
-    into the Plan's warnings (`annot.module_state.ModuleState.plan_notes`). Parameters
-    the checkpoint lacks keep their constructor's choice, as in transformers. Returns the
-    names made trainable."""
+    into the Plan's warnings (`annot.module_state.ModuleState.plan_notes`). What
+    transformers' post-load initialisation freezes again stays frozen
+    (`_frozen_by_init_weights`). A model that is not a transformers model (a diffusers
+    model: diffusers keeps each parameter's ``requires_grad``) is left as it is. Returns
+    the names made trainable. ``path`` is the checkpoint the model will be loaded from."""
+    from annot.huggingface.model import is_pretrained_model
     from annot.module_state import module_state
 
+    if not is_pretrained_model(model):
+        return []
     frozen = [name for name, p in model.named_parameters()
               if not p.requires_grad and p.is_floating_point()]
     if not frozen:
         return []
-    try:
-        missing = set(_check_keys(model, path)[0])
-    except CheckpointError:  # keys annot cannot read (converted tensors): the load refuses
-        return []
-    loaded = [name for name in frozen if name not in missing]
-    for name in loaded:
+    for name in frozen:
         model.get_parameter(name).requires_grad_(True)
     refrozen = _frozen_by_init_weights(model)
-    changed = [name for name in loaded if name not in refrozen]
+    changed = [name for name in frozen if name not in refrozen]
     if changed:
         shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
         module_state(model).plan_notes += (

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -29,13 +28,13 @@ from torch.utils._pytree import tree_leaves
 
 from annot.huggingface.model import training_forward_kwargs
 from annot.memory.counting import storage_key
+from annot.memory.inputs import InputsFn, default_inputs, step_inputs
 from annot.memory.routing_values import ValueShadows, reads_values
 from annot.policies import Action, Plan
 
-__all__ = ["ActivationEstimate", "default_inputs", "trace_activations"]
+__all__ = ["ActivationEstimate", "InputsFn", "default_inputs", "trace_activations"]
 
 OUTSIDE = ""  # attribution of tensors saved outside every checkpointed unit
-InputsFn = Callable[[nn.Module, int, int], tuple[tuple[Any, ...], dict[str, Any]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,51 +59,6 @@ class ActivationEstimate:
     @property
     def checkpointed_peak(self) -> int:
         return self.saved_checkpointed + self.recompute_peak
-
-
-def default_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Token ids of shape (batch, seq), all one ordinary token (`_ordinary_token`), as
-    the model's first input, and as its targets or labels when ``forward`` takes them (so
-    the loss's saved tensors count too);
-    ``use_cache=False`` where ``forward`` takes it, as in training. Vision
-    models (a ``pixel_values`` input and no ``input_ids``) get images of the configured
-    size instead: a model taking both (Fuyu: images optional) is traced on text."""
-    params = inspect.signature(model.forward).parameters
-    config = getattr(model, "config", None)
-    if "pixel_values" in params and "input_ids" not in params and config is not None:
-        size = getattr(config, "image_size", 224)
-        channels = getattr(config, "num_channels", 3)
-        return (), {"pixel_values": torch.zeros(batch, channels, size, size)}
-    ids = torch.full((batch, seq), _ordinary_token(config), dtype=torch.long)
-    kwargs: dict[str, Any] = {}
-    if "use_cache" in params:
-        # A training step keeps no key/value cache (annot passes use_cache=False to
-        # training forwards that checkpoint, pitfall 14); transformers' default, the
-        # config's True, builds one, and Bamba, Dory and xLSTM fail in it (issue #29).
-        kwargs["use_cache"] = False
-    if "input_ids" in params:
-        kwargs["input_ids"] = ids
-        if "decoder_input_ids" in params:  # encoder-decoder: as long a target as the source
-            kwargs["decoder_input_ids"] = ids
-        if "labels" in params and not getattr(config, "is_encoder_decoder", False):
-            kwargs["labels"] = ids
-        return (), kwargs
-    if "targets" in params:
-        return (ids, ids), {}
-    return (ids,), {}
-
-
-def _ordinary_token(config: Any) -> int:
-    """The smallest token id that none of ``config``'s special tokens has (padding,
-    begin, end, mask, image, ...: every ``*_token_id``, ``*_token_index`` and ``*_index``
-    field): the trace's token ids. Their values matter only to a model that reads them
-    (XLM counts its non-padding tokens), traced with `ValueShadows`."""
-    special: set[int] = set()
-    for name, value in (vars(config).items() if config is not None and hasattr(config, "__dict__") else ()):
-        if name.endswith(("token_id", "token_ids", "token_index", "_index")):
-            values = value if isinstance(value, (list, tuple)) else [value]
-            special.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
-    return next(i for i in range(len(special) + 1) if i not in special)
 
 
 def trace_activations(
@@ -142,7 +96,7 @@ def _trace_activations(model: nn.Module, plan: Plan | None, *, batch: int, seq: 
         params = {name: _fake_like(t, dtype, is_param=True) for name, t in model.named_parameters()}
         buffers = {name: _fake_like(t, dtype, is_param=False) for name, t in model.named_buffers()}
         with values:
-            args, kwargs = (inputs or default_inputs)(model, batch, seq)
+            args, kwargs, _ = step_inputs(inputs, model, batch, seq)
     state = {**params, **buffers}
     param_keys = {storage_key(t) for t in params.values()}  # model states, not activations
 
@@ -393,14 +347,14 @@ def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, ch
         # The shadows sit between the fake mode and the counters: what they make is counted.
         with fake_mode, shadows if shadows is not None else contextlib.nullcontext(), \
                 counter, flop_counter, _traceable():
-            args, kwargs = (inputs or default_inputs)(model, batch, seq)
+            args, kwargs, loss_of = step_inputs(inputs, model, batch, seq)
             # A training step keeps no key/value cache, checkpointed or not (pitfall 14).
             kwargs = training_forward_kwargs(model, args, kwargs)
             rules = _gpu_rules(autocast) if gpu_rules else None
             with rules if rules is not None else contextlib.nullcontext():
                 with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None and rules is None):
                     out = model(*args, **kwargs)
-                    loss = _loss_of(out)
+                    loss = loss_of(out)
             del out
             at("backward", -1)
             loss.backward()
@@ -569,17 +523,3 @@ def _traceable_experts() -> Iterator[None]:
         setattr(moe, "_can_use_grouped_mm", original)  # noqa: B010
 
 
-def _loss_of(out: Any) -> torch.Tensor:
-    """The loss in a model's output (a 0-d tensor: a tuple's or ``.loss``), else the sum
-    of the first floating output."""
-    loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    leaves = [t for t in tree_leaves(out if not hasattr(out, "to_tuple") else out.to_tuple())
-              if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    scalars = [t for t in leaves if t.dim() == 0]
-    if scalars:
-        return scalars[0]
-    if not leaves:
-        raise ValueError("the model's output holds no floating tensor to take a loss of")
-    return leaves[0].float().sum()

@@ -41,14 +41,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from annot.huggingface.model import training_forward_kwargs
-from annot.memory.activations import (
-    InputsFn,
-    _loss_of,
-    _traceable,
-    default_inputs,
-    fake_copy,
-)
+from annot.memory.activations import InputsFn, _traceable, fake_copy
 from annot.memory.counting import FlopCount, storage_key
+from annot.memory.inputs import step_inputs
 from annot.memory.strategies import MemoryInputError
 from annot.runtime.selective_checkpoint import matmul_ops
 
@@ -217,10 +212,10 @@ def profile_blocks(model: nn.Module, paths: list[str], *, batch: int, seq: int,
     try:
         with fake_mode, recorder, _traceable(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            args, kwargs = (inputs or default_inputs)(copy, batch, seq)
+            args, kwargs, loss_of = step_inputs(inputs, copy, batch, seq)
             kwargs = training_forward_kwargs(copy, args, kwargs)
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                _loss_of(copy(*args, **kwargs))
+                loss_of(copy(*args, **kwargs))
     finally:
         for handle in handles:
             handle.remove()

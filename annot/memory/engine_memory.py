@@ -36,16 +36,37 @@ OPTIMIZERS: dict[str, tuple[int, bool]] = {
 class ModelFacts:
     """What the engines' memory depends on besides the trace: parameter counts (each
     shared parameter once), the largest module's own parameters, and how many
-    parameters DeepSpeed ZeRO-3 keeps whole (at most its persistence threshold)."""
+    parameters DeepSpeed ZeRO-3 keeps whole (at most its persistence threshold). The
+    ``trainable`` counts (``None``: every parameter trains) are what gradients, fp32
+    master copies and optimizer states are kept for: a frozen vision tower or a LoRA
+    base has none of them (no engine gives a frozen parameter a gradient or a state)."""
 
     params: int
     units: tuple[int, ...]
     root: int
     persistent: int
+    trainable: int | None = None
+    unit_trainable: tuple[int, ...] | None = None
+    root_trainable: int | None = None
 
     @property
     def largest_unit(self) -> int:
         return max((*self.units, self.root, 1))
+
+    @property
+    def trained(self) -> int:
+        """The parameters that get gradients and optimizer states."""
+        return self.params if self.trainable is None else self.trainable
+
+    def unit_trained(self, index: int) -> int:
+        """Unit ``index``'s parameters that get gradients (0 outside the units)."""
+        if not 0 <= index < len(self.units):
+            return 0
+        return self.units[index] if self.unit_trainable is None else self.unit_trainable[index]
+
+    @property
+    def root_trained(self) -> int:
+        return self.root if self.root_trainable is None else self.root_trainable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +118,9 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     b = _bytes(precision, strategy.engine, optimizer)
     n_states, foreach_temp = OPTIMIZERS[optimizer]
     P, n = facts.params, world
+    T = facts.trained  # what has gradients, master copies and optimizer states
     shard = -(-P // n)
+    trained_shard = -(-T // n)
     states = n_states * b["state"]
     temp = b["state"] if foreach_temp else 0
     segments = trace.segments or (("forward", -1, trace.peak, trace.peak),)
@@ -112,9 +135,9 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     if strategy.engine == "ddp":
         # Parameters, gradients living in DDP's buckets (views with
         # gradient_as_bucket_view, else a second copy beside .grad), optimizer states.
-        static = {"params": P * b["param"], "grad buckets": P * b["grad"], "optimizer": P * states}
+        static = {"params": P * b["param"], "grad buckets": T * b["grad"], "optimizer": T * states}
         act = trace.peak if ddp_bucket_view else trace.peak_with_grads
-        step = {"optimizer step temporaries": P * temp}
+        step = {"optimizer step temporaries": T * temp}
         return _peak(static, [("forward/backward", {"activations": act})], step, points)
 
     if strategy.engine == "deepspeed":
@@ -124,18 +147,18 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
         off = HOST if strategy.offload_optimizer is not None else ""
         # The fp32 partition and the optimizer states of this rank's part (on the host
         # with offload, beside an fp32 gradient partition there).
-        static = {f"{off}fp32 partition + optimizer": shard * (b["master"] + states),
+        static = {f"{off}fp32 partition + optimizer": trained_shard * (b["master"] + states),
                   "reduce bucket": bucket}
         if off:
-            static[f"{HOST}fp32 gradient partition"] = shard * 4
+            static[f"{HOST}fp32 gradient partition"] = trained_shard * 4
         # The gradient partition is allocated at the first bucket reduce, once backward
         # has produced a bucket's worth (one unit, as annot sizes the bucket; measured),
         # so not while the activations peak at backward's start; stage 1 on DeepSpeed
         # 0.19 partitions gradients as stage 2 does.
-        grads = {"gradient partition": shard * b["grad"]}
-        step = {**grads, "optimizer step temporaries": 0 if off else shard * temp}
+        grads = {"gradient partition": trained_shard * b["grad"]}
+        step = {**grads, "optimizer step temporaries": 0 if off else trained_shard * temp}
         if b["grad"] != 4 and not off:
-            step["fp32 gradient partition"] = shard * 4
+            step["fp32 gradient partition"] = trained_shard * 4
         if stage in (1, 2):
             # Flat parameters whole on every rank; the reduce bucket (twice with
             # overlap_comm).
@@ -177,8 +200,8 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
         # At world size 1 FSDP1 switches to NO_SHARD (docs/design.md, pitfall 49):
         # parameters used in place (nothing gathered), gradients made in backward and
         # kept to the step, as DDP without buckets (equal to the CPU count).
-        static = {"params": P * b["param"], "optimizer": P * states}
-        step = {"gradients": P * b["grad"], "optimizer step temporaries": P * temp}
+        static = {"params": P * b["param"], "optimizer": T * states}
+        step = {"gradients": T * b["grad"], "optimizer step temporaries": T * temp}
         return _peak(static, [("forward/backward", {"activations": trace.peak_with_grads})], step, points)
 
     # FSDP2 / FSDP1: sharded parameters, gradients and optimizer states (on the host with
@@ -188,7 +211,7 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     # reduce-scatter input exist. Without resharding a unit stays gathered from its
     # forward to its backward.
     off = HOST if strategy.offload_params else ""
-    static = {f"{off}sharded parameters + optimizer": shard * (b["param"] + states)}
+    static = {f"{off}sharded parameters + optimizer": shard * b["param"] + trained_shard * states}
     reshard = strategy.stage == 3
     order = [u for ph, u, _, _ in segments if ph == "forward" and u >= 0]
     run = []
@@ -218,20 +241,20 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
         # The root's gradients exist once backward has passed the head (the first
         # backward stretch's end); they are reduced last.
         held = {"gathered parameters": root + kept * b["compute"],
-                "root gradients": facts.root * b["grad"] if root_grads else 0,
-                f"{off}sharded gradients": shard * b["reduce"] * max(0, len(done_bwd) - 1) // max(1, len(units))}
+                "root gradients": facts.root_trained * b["grad"] if root_grads else 0,
+                f"{off}sharded gradients": trained_shard * b["reduce"] * max(0, len(done_bwd) - 1) // max(1, len(units))}
         run.append((name(ph, u), {"activations": top, **held}))
         root_grads = True
-        held["root gradients"] = facts.root * b["grad"]
+        held["root gradients"] = facts.root_trained * b["grad"]
         if reshard:  # both reshard the unit's parameters before reducing its gradients
             held["gathered parameters"] = root + unit(nxt) * b["compute"]
         # FSDP1 reduce-scatters the unit's flat gradient itself; FSDP2 copies the
         # gradients into a reduce-scatter input of its own (both measured).
-        reduce = unit(u) * (b["grad"] + (b["reduce"] if strategy.engine == "fsdp2" else 0))
+        reduce = facts.unit_trained(u) * (b["grad"] + (b["reduce"] if strategy.engine == "fsdp2" else 0))
         run.append((name(ph, u) + " end", {"activations": end, **held,
                                            "unsharded gradients + reduce-scatter input": reduce}))
-    step = {f"{off}sharded gradients": shard * b["reduce"],
-            "optimizer step temporaries": 0 if off else shard * temp}
+    step = {f"{off}sharded gradients": trained_shard * b["reduce"],
+            "optimizer step temporaries": 0 if off else trained_shard * temp}
     return _peak(static, run, step, points)
 
 
@@ -314,9 +337,15 @@ def model_facts(model: Any, plan: Any, persistence_threshold: int = PERSISTENCE_
             for p in model.get_submodule(path).parameters():
                 owner.setdefault(id(p), index)
     sizes = [0] * len(shard_units)
+    trained = [0] * len(shard_units)
     for key, p in params.items():
         if key in owner:
             sizes[owner[key]] += p.numel()
+            trained[owner[key]] += p.numel() if p.requires_grad else 0
     total = sum(p.numel() for p in params.values())
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
     persistent = sum(p.numel() for p in params.values() if p.numel() <= persistence_threshold)
-    return ModelFacts(params=total, units=tuple(sizes), root=total - sum(sizes), persistent=persistent)
+    if trainable == total:  # every parameter trains: the counts are the sizes
+        return ModelFacts(params=total, units=tuple(sizes), root=total - sum(sizes), persistent=persistent)
+    return ModelFacts(params=total, units=tuple(sizes), root=total - sum(sizes), persistent=persistent,
+                      trainable=trainable, unit_trainable=tuple(trained), root_trainable=trainable - sum(trained))

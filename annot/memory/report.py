@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from annot.memory.engine_memory import (
     rank_memory,
 )
 from annot.memory.gpu_kinds import DEFAULT_GPU, GPU_KINDS, GpuKind, gpu_kind
+from annot.memory.inputs import MediaSizes, batch_and_seq, example_batch, model_inputs
 from annot.memory.representative import fast_trace_activations, fast_trace_step
 from annot.memory.strategies import (
     PRECISIONS,
@@ -179,6 +181,8 @@ class MemoryReport:
     #: What the trace assumed of values it could not know (balanced routing, the
     #: inputs' values: `annot.memory.routing_values`), printed under the table.
     assumptions: tuple[str, ...] = ()
+    #: What the traced step was fed, in words (printed under the table).
+    fed: str = ""
 
     def row(self, key: str) -> StrategyRow:
         return next(r for r in self.rows if r.key == key)
@@ -229,6 +233,8 @@ class MemoryReport:
         lines.append(f"recommendation: {self.reason}")
         if self.call is not None:
             lines.append(f"  {self.call}")
+        if self.fed:
+            lines.append(f"inputs: {self.fed}")
         lines.extend(f"note: {text}" for text in self.assumptions)
         return "\n".join(lines)
 
@@ -340,15 +346,22 @@ def _tp_facts(facts: ModelFacts, records: tuple[ParamRecord, ...], styles: dict[
               tp: int) -> ModelFacts:
     """``facts`` with each parameter as large as one tensor-parallel rank's piece."""
     units = [0] * len(facts.units)
-    root = 0
+    trained = [0] * len(facts.units)
+    root = root_trained = 0
     for r in records:
         n = local_numel(r, styles.get(r.module), tp)
         if 0 <= r.unit < len(units):
             units[r.unit] += n
+            trained[r.unit] += n if r.trainable else 0
         else:
             root += n
-    return ModelFacts(params=sum(units) + root, units=tuple(units), root=root,
-                      persistent=facts.persistent)
+            root_trained += n if r.trainable else 0
+    if facts.trainable is None:
+        return ModelFacts(params=sum(units) + root, units=tuple(units), root=root,
+                          persistent=facts.persistent)
+    return ModelFacts(params=sum(units) + root, units=tuple(units), root=root, persistent=facts.persistent,
+                      trainable=sum(trained) + root_trained, unit_trainable=tuple(trained),
+                      root_trainable=root_trained)
 
 
 def step_time(strategy: Strategy, trace: StepTrace, plan: Plan, model: nn.Module,
@@ -427,6 +440,8 @@ def estimate_memory(
     deepspeed_config: dict[str, Any] | str | os.PathLike[str] | None = None,
     ddp_options: dict[str, Any] | None = None,
     gpu: str | None = None,
+    media: MediaSizes | None = None,
+    example_inputs: Mapping[str, Any] | None = None,
 ) -> MemoryReport:
     """Per-GPU and per-host memory of every strategy for ``model`` (build it on the meta
     device: nothing is allocated), each one's communication and step time, and the
@@ -465,6 +480,17 @@ def estimate_memory(
     says; `annot.memory.user_config`). A key DeepSpeed does not know is an error naming it.
     ``ddp_options``: the DDP row as you run DDP; ``{"gradient_as_bucket_view": False}``
     (torch's default, annot's is True) keeps each gradient beside its bucket copy.
+
+    What the traced step is fed: by default what the model's class takes
+    (`annot.memory.inputs.model_inputs`: token ids for a text model; images and their
+    tokens for a vision-language model, mel features for a speech model, decoder inputs
+    for a sequence-to-sequence one, noisy latents and a flow-matching loss for a diffusers
+    denoiser), sized by ``media`` (`MediaSizes`: image size and count, audio frames,
+    latent size, frames, prompt tokens); or ``example_inputs``, a batch of yours (the
+    forward's keyword arguments, one GPU's micro-batch: ``batch`` and ``seq`` then come
+    from it); or ``inputs``, a function of your own. What was fed is said under the
+    table. Parameters that do not train (a frozen tower, a LoRA base) are priced without
+    gradients, master copies or optimizer states.
     """
     wrappers = {"DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"}
     if any(hasattr(p, "device_mesh") for p in model.parameters()) or any(
@@ -487,6 +513,17 @@ def estimate_memory(
     host_mem = host_mem if host_mem is not None else _default_host_mem()
     user_ds = read_deepspeed_config(deepspeed_config) if deepspeed_config is not None else None
     ddp = ddp_strategy(ddp_options)
+    if example_inputs is not None:
+        if inputs is not None or media is not None:
+            raise MemoryInputError("pass example_inputs= alone: it replaces inputs= and media=")
+        inputs = example_batch(example_inputs)
+        batch, seq = batch_and_seq(example_inputs)
+        fed = f"traced on your batch ({', '.join(sorted(example_inputs))})"
+    elif inputs is None:
+        inputs = model_inputs(media)
+        fed = (media or MediaSizes()).describe(model, batch, seq)
+    else:
+        fed = "traced on the inputs of your inputs= function"
     styles, unavailable = _tensor_parallel_styles(model, tp_plan, network)
     rows, activations, strategies, assumptions = _rows(
         model, plan, network=network, batch=batch, seq=seq, precision=precision,
@@ -507,7 +544,7 @@ def estimate_memory(
         activations=activations, rows=tuple(rows), recommendation=key, checkpoint=checkpoint,
         reason=reason, network=network,
         call=strategies[key].call(precision, checkpoint) if key is not None else None,
-        unavailable=unavailable, assumptions=assumptions,
+        unavailable=unavailable, assumptions=assumptions, fed=fed,
     )
 
 

@@ -11,7 +11,8 @@ LongCat-Flash), plus a few that check an input (XLM's ``lengths.max().item()``).
 whose value can be known without the model's weights:
 
 - a tensor made from no tensor (``zeros``, ``arange``, ``full``: the trace's token ids,
-  position ids, routing scratch), and every result of operations whose inputs all have
+  position ids, routing scratch) or from Python values (``torch.tensor([[1, 4, 4]])``: a
+  vision-language model's image grid), and every result of operations whose inputs all have
   shadows (computed for real on the shadows, at most `SHADOW_LIMIT` elements each);
 - the indices of a ``topk`` (``argmax``, ``max``/``min`` along a dimension) over values
   that have none, such as a router's scores, under the stated assumption
@@ -52,9 +53,10 @@ ROUTING_ASSUMPTION = (
 
 #: Printed with a table whose trace read values of the inputs only.
 INPUT_ASSUMPTION = (
-    "traced on full-length sequences of one ordinary token: this model reads values of "
-    "its inputs (a length, a count of some token), which the trace takes from its token "
-    "ids: no padding, no special tokens")
+    "traced on the inputs annot builds: this model reads values of its inputs (a length, a "
+    "count of some token, an image grid, where its image tokens are), which the trace takes "
+    "from them: full-length sequences of one ordinary token, each image's or audio clip's "
+    "tokens where the model expects them, no padding")
 
 #: The most elements a shadow holds (int64: 512 MiB, held while its fake tensor lives); a
 #: larger result goes unshadowed. LongCat-Flash's expert mask at 2,048 tokens (top-12 of
@@ -80,6 +82,12 @@ _ROUTING = {
 
 
 #: Operators whose result holds whatever memory held.
+#: Operators that turn a real tensor (a literal: ``torch.tensor([2, 4, 4])``) into a fake
+#: one: its value is known, the literal's.
+_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+#: Indexing operators -> where their list of indices is among the arguments.
+_MASK_INDEXED = {aten.index.Tensor: 1, aten.index_put.default: 1, aten.index_put_.default: 1,
+                 aten._index_put_impl_.default: 1}
 _UNINITIALIZED = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                   aten.new_empty.default, aten.new_empty_strided.default}
 
@@ -117,6 +125,27 @@ class ValueShadows(TorchDispatchMode):
 
     def _read(self, tensors: list[torch.Tensor]) -> None:
         self._reads["routing" if any(t in self._routed for t in tensors) else "inputs"] = True
+
+    def __enter__(self) -> ValueShadows:
+        # ``torch.tensor([t0, t1])`` of 0-d tensors copies their data in C++, below any
+        # dispatch mode (a fake tensor has none: "its data is not allocated"); Qwen-VL's
+        # rope index builds one from per-sample maxima. Each is read through ``item()``
+        # instead, which a shadow answers.
+        self._tensor = torch.tensor
+        original = self._tensor
+
+        def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return original(_items(data), *args, **kwargs)
+
+        torch.tensor = tensor
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            torch.tensor = self._tensor
 
     # -- shadows -----------------------------------------------------------------------
     def _attach(self, fake: Any, real: Any, routed: bool) -> None:
@@ -185,10 +214,43 @@ class ValueShadows(TorchDispatchMode):
             self._keep(indices, flat.reshape(moved).movedim(-1, dim).to(indices.dtype).contiguous())
         self._routed[indices] = True
 
+    def _masks_as_indices(self, func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` of an indexing ``func`` with each boolean mask whose value is known
+        replaced by the integer indices of its true elements (known too): ``x[mask]`` of
+        an unknown ``x`` has a size only the mask decides (Qwen3-VL puts its deepstack
+        features where the image tokens are), which a fake trace cannot know."""
+        position = _MASK_INDEXED[func]
+        indices = args[position]
+        if not isinstance(indices, (list, tuple)) or not any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool and i in self._shadows for i in indices):
+            return args
+        swapped: list[Any] = []
+        for index in indices:
+            if isinstance(index, torch.Tensor) and index.dtype == torch.bool and index in self._shadows:
+                with no_dispatch():
+                    reals = self._shadows[index].nonzero(as_tuple=True)
+                for real in reals:
+                    fake = self._fake_of(real)
+                    self._keep(fake, real)
+                    swapped.append(fake)
+                self._read([index])
+            else:
+                swapped.append(index)
+        return (*args[:position], swapped, *args[position + 1:])
+
     # -- the mode ----------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if func in _LIFTS and len(tensors) == 1 and not _is_fake(tensors[0]) and self._small(tensors[0]):
+            # A literal made from Python values (an image grid, a length table): known.
+            out = func(*args, **kwargs)
+            with no_dispatch():
+                self._keep(out, tensors[0].clone())
+            return out
+        if func in _MASK_INDEXED:
+            args = self._masks_as_indices(func, args)
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         known = all(t in self._shadows for t in tensors)
         if func is aten._local_scalar_dense.default and tensors and known:
             self._read(tensors)
@@ -227,6 +289,19 @@ class ValueShadows(TorchDispatchMode):
             if func in _ROUTING and tensors and tensors[0] not in self._shadows:
                 self._routing(func, args, kwargs, out)
         return out
+
+
+def _items(data: Any) -> Any:
+    """``data`` (``torch.tensor``'s) with every 0-d tensor in its lists read as a number."""
+    if isinstance(data, torch.Tensor):
+        return data.item() if data.dim() == 0 and _is_fake(data) else data
+    if isinstance(data, (list, tuple)):
+        return type(data)(_items(item) for item in data)
+    return data
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "FakeTensor"
 
 
 def _mutated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

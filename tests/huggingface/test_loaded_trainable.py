@@ -61,3 +61,21 @@ def test_a_parameter_transformers_init_freezes_after_the_load_stays_frozen(tmp_p
         {n for n, p in theirs.named_parameters() if p.requires_grad}
     # the pass left no marks behind
     assert not any(hasattr(t, "_is_hf_initialized") for t in [*ours.parameters(), *ours.modules()])
+
+
+def test_a_table_the_checkpoint_leaves_out_trains_as_transformers_recreates_it(tmp_path):
+    """MarianMT ignores its sinusoidal tables on save (``_keys_to_ignore_on_save``):
+    transformers' ``from_pretrained`` re-creates each missing parameter as a new
+    trainable ``Parameter``; annot kept the constructor's frozen one, and its step was
+    1.2e-4 off from the second step (issue #42). The values are the constructor's in both."""
+    import torch
+
+    config = tiny_config("marian", task="seq2seq")
+    transformers.MarianMTModel(config).save_pretrained(tmp_path)
+    theirs = transformers.MarianMTModel.from_pretrained(tmp_path)
+    ours = annot.from_pretrained(tmp_path, engine=None)
+    table = "model.encoder.embed_positions.weight"
+    assert theirs.get_parameter(table).requires_grad and ours.get_parameter(table).requires_grad
+    assert {n for n, p in ours.named_parameters() if p.requires_grad} == \
+        {n for n, p in theirs.named_parameters() if p.requires_grad}
+    assert torch.equal(ours.get_parameter(table), theirs.get_parameter(table))

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 import annot
 from annot.memory import trace_activations
 from annot.memory.activations import default_inputs
+from annot.memory.inputs import step_inputs
 
 TOLERANCE = 0.05  # the bound; most cases agree exactly
 
@@ -52,7 +53,7 @@ def real_saved_bytes(model: nn.Module, batch: int, seq: int, checkpointed: list[
         module.forward = forward
     try:
         model.train()
-        args, kwargs = default_inputs(model, batch, seq)
+        args, kwargs, _ = step_inputs(None, model, batch, seq)  # what the trace feeds the model
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(*args, **kwargs)
     finally:

@@ -16,8 +16,9 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from annot.huggingface.model import training_forward_kwargs
-from annot.memory.activations import _loss_of, _torch_linear, default_inputs, trace_step
+from annot.memory.activations import _torch_linear, default_inputs, trace_step
 from annot.memory.counting import LiveBytes
+from annot.memory.inputs import default_loss
 from annot.memory.report import MOE_COUNTED
 from annot.memory.routing_values import INPUT_ASSUMPTION, ROUTING_ASSUMPTION, ValueShadows
 
@@ -112,7 +113,7 @@ def _real_peak(model, batch: int, seq: int) -> int:
     # torch's F.linear, as the trace runs it (a ZeRO-3 run earlier in the process replaces it).
     with _torch_linear(), counter, _BalancedTopk():
         args, kwargs = default_inputs(model, batch, seq)
-        loss = _loss_of(model(*args, **training_forward_kwargs(model, args, kwargs)))
+        loss = default_loss(model(*args, **training_forward_kwargs(model, args, kwargs)))
         loss.backward()
         del loss
     model.zero_grad(set_to_none=True)
