@@ -30,7 +30,7 @@ import torch.distributed as dist
 import annot
 from annot.module_state import peek_state
 from tests.distributed import gathered, worker_main
-from tests.huggingface.multimodal_models import INPUTS
+from tests.huggingface.multimodal_models import INPUTS, spec
 
 
 def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -51,7 +51,8 @@ def step(directory: Path, scenario: str) -> dict[str, Any]:
     rank = dist.get_rank()
     batches = torch.load(directory / INPUTS, weights_only=False)
     batch = batches["text" if scenario == "mixed" and rank == 1 else "images"][rank]
-    options: dict[str, Any] = {"device": "cpu", "checkpoint": scenario in ("checkpoint", "mixed")}
+    options: dict[str, Any] = {"device": "cpu", "checkpoint": scenario in ("checkpoint", "mixed"),
+                               "torch_dtype": spec(directory.name)[3]}
     if scenario == "frozen":
         options.update(freeze="vision", optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
     wrapped = annot.from_pretrained(directory, "fsdp2", **options)
