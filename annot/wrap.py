@@ -21,6 +21,7 @@ from annot.engines import checks
 from annot.engines.base import OptimizerFactory, Trainable, WrapRequest
 from annot.engines.registry import get_engine
 from annot.formats.choice import checkpoint_source
+from annot.huggingface.modality_standin import stand_in_for_towers
 from annot.huggingface.model import keep_output_capturing, prepare_for_training
 from annot.meta.deferred import deferred_init_of
 from annot.planning import resolve_plan
@@ -144,8 +145,7 @@ def auto_wrap(
     if request.load_from is not None:  # shapes and dtypes from the headers, before any allocation
         check_compatible(model, request.load_from.path, format=request.load_from.format)
     checkpointed = steps.checkpoint_paths(model, plan, checkpoint)
-    prepare_for_training(model, checkpointing=bool(checkpointed), # 3. HF training settings
-                         ordered_gathers=steps.gathers_in_module_order())
+    prepare_for_training(model, checkpointing=bool(checkpointed)) # 3. HF training settings
     if source is not None and not deferred:                       # a model with storage
         load_logged(model, source.path, request.device, format=source.format)
     before = list(model.parameters())
@@ -154,6 +154,8 @@ def auto_wrap(
         steps.fill(model, request)
     wrapped = steps.wrap(model, request, opts)
     keep_output_capturing(model)  # transformers' recorded outputs of re-classed modules
+    # After the engine's hooks, which gather what the stand-in's tower call uses.
+    stand_in_for_towers(model, ordered_gathers=steps.gathers_in_module_order())
     if deferred and not steps.fills_before_wrap:
         steps.fill(wrapped, request)
     checks.forbid_stale_optimizers(before, wrapped, model, steps.name)

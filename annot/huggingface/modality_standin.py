@@ -155,14 +155,14 @@ class ModalityStandIns:
         if not others:
             return None
         attached = False
-        for field in ("loss", "logits"):
+        for field in ("loss", "logits", "last_hidden_state"):
             value = getattr(output, field, None) if not isinstance(output, dict) else output.get(field)
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 output[field] = ZeroContribution.apply(value, *others)
                 attached = True
         if not attached:
             raise StandInError(
-                f"{self.name}'s output has neither loss nor logits to carry the "
+                f"{self.name}'s output has no loss, logits or last hidden state to carry the "
                 "stand-in tower's zero-weighted output: give every rank's batch the same modalities")
         return output
 
@@ -184,6 +184,26 @@ class ModalityStandIns:
                 "with engine='fsdp2', where annot runs a zero-weighted stand-in.")
 
 
+def stand_in_for_towers(model: nn.Module, *, ordered_gathers: bool
+                        ) -> ModalityStandIns | CrossAttentionStandIn | None:
+    """Install the stand-ins (`install_stand_ins`) on the transformers model ``model`` is
+    or holds, once (kept in its `annot.module_state.ModuleState`); what was installed,
+    or ``None``. `auto_wrap` calls it after the engine wrapped the model, so that the
+    hooks run after the engine's own on the same module (ZeRO-3 gathers a module's
+    parameters in its pre-forward hook: the stand-in's tower call needs them)."""
+    from annot.huggingface.model import pretrained_inside
+    from annot.module_state import module_state
+
+    hf_model = pretrained_inside(model)
+    if hf_model is None:
+        return None
+    state = module_state(hf_model)
+    if state.stand_ins is None:
+        installed = install_stand_ins(hf_model, ordered_gathers=ordered_gathers)
+        state.stand_ins = installed if installed is not None else False
+    return state.stand_ins or None
+
+
 def install_stand_ins(model: nn.Module, *, ordered_gathers: bool
                       ) -> ModalityStandIns | CrossAttentionStandIn | None:
     """Hook `ModalityStandIns` onto the transformers model ``model`` when it has a vision
@@ -196,9 +216,10 @@ def install_stand_ins(model: nn.Module, *, ordered_gathers: bool
 
     if not any(role in TOWERS for role in module_roles(model).values()):
         return None
+    host = _feature_host(model)
     modalities = []
     for name in MODALITIES:
-        method = getattr(model, f"get_{name}_features", None)
+        method = getattr(host, f"get_{name}_features", None)
         if method is None:
             continue
         parameters = tuple(n for n, p in inspect.signature(method).parameters.items()
@@ -214,10 +235,25 @@ def install_stand_ins(model: nn.Module, *, ordered_gathers: bool
             return cross
         model.register_forward_pre_hook(_refusing(model), with_kwargs=True)
         return ModalityStandIns(model, [], ordered_gathers)
-    stand_ins = ModalityStandIns(model, modalities, ordered_gathers)
-    model.register_forward_pre_hook(stand_ins.before, with_kwargs=True)
-    model.register_forward_hook(stand_ins.after, with_kwargs=True)
+    stand_ins = ModalityStandIns(host, modalities, ordered_gathers)
+    host.register_forward_pre_hook(stand_ins.before, with_kwargs=True)
+    host.register_forward_hook(stand_ins.after, with_kwargs=True)
     return stand_ins
+
+
+def _feature_host(model: nn.Module) -> nn.Module:
+    """The module whose forward computes the features and takes the text: the deepest
+    module of ``model`` with a ``get_<modality>_features`` method whose forward takes
+    ``input_ids`` or ``inputs_embeds`` (LLaVA's ``model.model``, not the outer class
+    that calls it, nor a tower). Its own parameters (LLaVA-OneVision's ``image_newline``)
+    are gathered when it is entered (ZeRO-3), so the stand-in runs there."""
+    host = model
+    for module in model.modules():
+        takes = set(_parameters(module.forward))
+        if any(hasattr(module, f"get_{name}_features") for name in MODALITIES) and \
+                takes & {"input_ids", "inputs_embeds"}:
+            host = module
+    return host
 
 
 class CrossAttentionStandIn:

@@ -125,8 +125,7 @@ def keep_in_fp32_names(model: nn.Module, dtype: torch.dtype) -> list[str]:
     return modules_named(model, names) if names else []
 
 
-def prepare_for_training(model: nn.Module, *, checkpointing: bool,
-                         ordered_gathers: bool | None = None) -> list[str]:
+def prepare_for_training(model: nn.Module, *, checkpointing: bool) -> list[str]:
     """Adjust the transformers model ``model`` is or holds (`pretrained_inside`: bare,
     inside PEFT or inside a module of the user's) for training; returns what was changed,
     in words (each also logged on the ``annot.huggingface`` logger), nothing for a model
@@ -140,12 +139,6 @@ def prepare_for_training(model: nn.Module, *, checkpointing: bool,
     docs/design.md, pitfall 14). The configs are left as they are, so a model saved later
     keeps the user's ``use_cache``: the setting is passed to each training forward by a
     forward pre-hook on the root, not written into the config.
-
-    ``ordered_gathers`` (given by `auto_wrap`: whether the engine gathers module by module
-    in the order they run) installs, on a model with a vision or audio tower, the hooks
-    that make every rank run the tower whenever any rank's batch needs it
-    (`annot.huggingface.modality_standin`); ``None`` installs none (callers that shard
-    nothing).
     """
     hf_model = pretrained_inside(model)
     if hf_model is None:
@@ -171,11 +164,6 @@ def prepare_for_training(model: nn.Module, *, checkpointing: bool,
             notes.append("training forwards run with use_cache=False (a key/value cache is not "
                          "used in training and does not mix with checkpointing); the config "
                          "keeps use_cache as it was, for saving and generation")
-    if ordered_gathers is not None and module_state(model).stand_ins is None:
-        from annot.huggingface.modality_standin import install_stand_ins
-
-        installed = install_stand_ins(model, ordered_gathers=ordered_gathers)
-        module_state(model).stand_ins = installed if installed is not None else False
     for note in notes:
         logger.warning("%s: %s", type(model).__name__, note)
     return notes

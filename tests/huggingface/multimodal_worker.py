@@ -8,6 +8,7 @@ Each CASE is ``MODEL:SCENARIO``; ROOT/MODEL holds the model and its batches
 
 - ``plain`` and ``checkpoint``: both ranks' batches have images;
 - ``mixed``: rank 0's batch has images, rank 1's is text only (checkpointed);
+  ``mixed-zero3`` the same on DeepSpeed ZeRO-3 (not checkpointed);
 - ``frozen``: ``freeze="vision"``, an AdamW `annot.Trainable`, one step: the loss, the
   gradients, the tower's weights after the step and which parameters the optimizer
   holds state for.
@@ -39,6 +40,17 @@ def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
 
 
+def _grad(param: torch.nn.Parameter, engine: str) -> torch.Tensor | None:
+    """The whole gradient: FSDP2's DTensor gathered, or DeepSpeed's partitions (between
+    backward and step)."""
+    if engine == "deepspeed":
+        from deepspeed.utils import safe_get_full_grad
+
+        grad = safe_get_full_grad(param) if param.requires_grad else None
+        return None if grad is None else grad.detach().clone()
+    return _full(param.grad)
+
+
 def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
     from annot.huggingface.model import pretrained_inside
 
@@ -50,12 +62,17 @@ def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
 def step(directory: Path, scenario: str) -> dict[str, Any]:
     rank = dist.get_rank()
     batches = torch.load(directory / INPUTS, weights_only=False)
-    batch = batches["text" if scenario == "mixed" and rank == 1 else "images"][rank]
+    mixed = scenario.startswith("mixed")
+    batch = batches["text" if mixed and rank == 1 else "images"][rank]
     options: dict[str, Any] = {"device": "cpu", "checkpoint": scenario in ("checkpoint", "mixed"),
                                "torch_dtype": spec(directory.name)[3]}
+    engine = "fsdp2"
     if scenario == "frozen":
         options.update(freeze="vision", optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
-    wrapped = annot.from_pretrained(directory, "fsdp2", **options)
+    if scenario == "mixed-zero3":  # ZeRO-3 gathers module by module: the tower first on every rank
+        engine = "deepspeed"
+        options.update(stage=3, optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    wrapped = annot.from_pretrained(directory, engine, **options)
     model = wrapped.model if isinstance(wrapped, annot.Trainable) else wrapped
     loss = wrapped(**batch).loss
     (wrapped.backward if isinstance(wrapped, annot.Trainable) else torch.Tensor.backward)(loss)
@@ -63,7 +80,7 @@ def step(directory: Path, scenario: str) -> dict[str, Any]:
     dist.all_reduce(mean)
     out: dict[str, Any] = {
         "loss": mean.item() / dist.get_world_size(),
-        "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
+        "grads": {n: _grad(p, engine) for n, p in model.named_parameters()},
         "stand_ins": gathered(getattr(peek_state(_hf_model(model)).stand_ins, "stand_ins", 0)),
     }
     if scenario == "frozen":
