@@ -106,6 +106,8 @@ def module_roles(model: nn.Module) -> dict[str, str]:
             continue
         if path.count(".") < _NAMED_DEPTH:
             role = next((r for pattern, r in _NAMED if pattern.fullmatch(last)), None)
+            if role in ("encoder", "decoder") and not _holds_layers(module):
+                role = None  # ALBERT's head names its output Linear ``decoder``
             if role is not None:
                 roles[path] = role
                 if role in ("encoder", "decoder"):
@@ -114,6 +116,12 @@ def module_roles(model: nn.Module) -> dict[str, str]:
         # BERT's ``bert.encoder``, OPT's ``model.decoder``: the whole model, not a half.
         roles = {p: r for p, r in roles.items() if p not in halves}
     return roles
+
+
+def _holds_layers(module: nn.Module) -> bool:
+    """Whether ``module`` holds a list of layers (an encoder or decoder does)."""
+    return any(isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 0
+               for child in module.modules())
 
 
 def role_of(path: str, roles: dict[str, str]) -> str | None:

@@ -40,6 +40,8 @@ OTHERS = {
     "bert_mlm": ("bert", "BertForMaskedLM", "masked_lm", torch.float32),
     "whisper": ("whisper", "WhisperForConditionalGeneration", "speech_seq2seq", torch.float32),
     "bart": ("bart", "BartForConditionalGeneration", "seq2seq", torch.float32),
+    # One layer every depth calls: a unit gathered at each call (list_elements).
+    "albert": ("albert", "AlbertForMaskedLM", "masked_lm", torch.float32),
 }
 INPUTS = "inputs.pt"
 
