@@ -32,6 +32,7 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
+    register_fsdp_forward_method,
 )
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
@@ -373,5 +374,16 @@ def apply_fsdp2(
         mp_policy=mp_policy,
         offload_policy=_offload_policy(bool(offload), pin),
     )
+    for name in ENTRY_METHODS:
+        if callable(getattr(type(model), name, None)):
+            register_fsdp_forward_method(model, name)
     return model
+
+
+#: Methods users call on a model instead of ``forward`` (a diffusers VAE's ``encode`` and
+#: ``decode``, CLIP's ``get_text_features``): FSDP2 gathers the root's parameters in its
+#: forward hooks only, so each is registered to run them too (called bare, the root's
+#: own parameters were still sharded: "got mixed torch.Tensor and DTensor").
+ENTRY_METHODS = ("encode", "decode", "get_text_features", "get_image_features", "get_audio_features",
+                 "get_video_features")
 

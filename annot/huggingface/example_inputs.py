@@ -100,6 +100,11 @@ def training_inputs(
                        audio_frames=audio_frames, media=with_images)
     family = _FAMILIES.get(maker.model_type)
     inputs = family(maker, request) if family is not None else _by_signature(maker, request)
+    media = [name for name in _MEDIA_INPUTS if inputs.get(name) is not None]
+    if not with_images and media:
+        # A model that takes nothing but its media (an image classifier) has no
+        # text-only batch: never hand back media where none was asked for.
+        raise maker.unknown(f"a batch without media: its inputs are media ({', '.join(media)})")
     if "use_cache" in maker.params:
         # A training step keeps no key/value cache (docs/design.md, pitfall 14).
         inputs["use_cache"] = False
@@ -107,6 +112,10 @@ def training_inputs(
         # VibeVoice's audio tokenizer adds Gaussian noise to its latents unless told not to.
         inputs["sample"] = False
     return inputs
+
+
+#: The inputs that carry images, video or audio.
+_MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "input_features", "input_values")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_leaves, tree_map
 
 from annot.huggingface.model import training_forward_kwargs
 from annot.memory.counting import storage_key
@@ -95,8 +96,11 @@ def _trace_activations(model: nn.Module, plan: Plan | None, *, batch: int, seq: 
         # One entry per parameter: functional_call re-ties tied names itself.
         params = {name: _fake_like(t, dtype, is_param=True) for name, t in model.named_parameters()}
         buffers = {name: _fake_like(t, dtype, is_param=False) for name, t in model.named_buffers()}
-        with values:
+        # The inputs are built against the fake parameters (a builder that runs the
+        # tower to count its tokens, LLaVA's, needs them: the model's own are meta).
+        with values, _reparametrize_module(model, {**params, **buffers}, tie_weights=True, strict=False):
             args, kwargs, _ = step_inputs(inputs, model, batch, seq)
+        args, kwargs = _cast_inputs((args, kwargs), dtype)
     state = {**params, **buffers}
     param_keys = {storage_key(t) for t in params.values()}  # model states, not activations
 
@@ -348,6 +352,7 @@ def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, ch
         with fake_mode, shadows if shadows is not None else contextlib.nullcontext(), \
                 counter, flop_counter, _traceable():
             args, kwargs, loss_of = step_inputs(inputs, model, batch, seq)
+            args, kwargs = _cast_inputs((args, kwargs), dtype)
             # A training step keeps no key/value cache, checkpointed or not (pitfall 14).
             kwargs = training_forward_kwargs(model, args, kwargs)
             rules = _gpu_rules(autocast) if gpu_rules else None
@@ -371,6 +376,19 @@ def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, ch
                      segments=tuple((ph, u, top, end) for ph, u, top, end in segments),
                      flops=flop_counter.total,
                      assumption=shadows.assumption if shadows is not None else "")
+
+
+def _cast_inputs(inputs: tuple[tuple[Any, ...], dict[str, Any]], dtype: torch.dtype | None
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` with every floating-point tensor in ``dtype`` when the trace
+    casts the parameters to it (a 16-bit run): what FSDP2's and FSDP1's mixed precision
+    do to a unit's forward inputs (``cast_forward_inputs``), DeepSpeed's 16-bit modes
+    expect, and a 16-bit model needs (Whisper's mel features meet a bfloat16
+    convolution). Token ids and masks are left as they are."""
+    if dtype is None:
+        return inputs
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                    inputs)
 
 
 def fake_copy(model: nn.Module, dtype: torch.dtype | None) -> tuple[nn.Module, Any]:

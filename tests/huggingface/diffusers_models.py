@@ -42,23 +42,50 @@ def build(name: str) -> torch.nn.Module:
     return getattr(diffusers, cls_name).from_config(tiny_denoiser_config(cls_name))
 
 
+def save_in_pipeline(model: torch.nn.Module, root: Path, *, frozen_parts: bool = False) -> Path:
+    """Save the diffusers denoiser ``model`` as the ``transformer`` component of a
+    pipeline folder ``root`` (its ``model_index.json`` naming it, and with
+    ``frozen_parts`` a tiny VAE and text encoder beside it: `save_frozen_components`);
+    returns the component's folder."""
+    import diffusers
+
+    model.save_pretrained(root / "transformer")
+    components = {"transformer": ["diffusers", type(model).__name__], "scheduler": [None, None]}
+    if frozen_parts:
+        save_frozen_components(root)
+        components.update(vae=["diffusers", "AutoencoderKL"], text_encoder=["transformers", "CLIPTextModel"])
+    (root / "model_index.json").write_text(json.dumps({
+        "_class_name": "TinyPipeline", "_diffusers_version": diffusers.__version__, **components}))
+    return root / "transformer"
+
+
 def save_pipeline(name: str, root: Path) -> Path:
     """A pipeline folder holding the tiny denoiser of ``name`` as ``transformer/`` and its
     batches (per rank, in the dtype the model is loaded in)."""
-    import diffusers
-
     from annot.huggingface.denoiser_inputs import denoiser_inputs
 
     model = build(name)
-    model.save_pretrained(root / "transformer")
-    cls_name, dtype = DENOISERS[name]
-    (root / "model_index.json").write_text(json.dumps({
-        "_class_name": "TinyPipeline", "_diffusers_version": diffusers.__version__,
-        "transformer": ["diffusers", cls_name], "scheduler": [None, None]}))
+    dtype = DENOISERS[name][1]
+    save_in_pipeline(model, root, frozen_parts=name == "flux")  # the pipeline's frozen parts too
     batches = [denoiser_inputs(model.to(dtype), batch=BATCH, generator=torch.Generator().manual_seed(100 + rank))
                for rank in range(2)]
     torch.save(batches, root / BATCHES)
     return root
+
+
+def save_frozen_components(root: Path) -> None:
+    """A tiny VAE and CLIP text encoder into ``root/vae`` and ``root/text_encoder``."""
+    import diffusers
+    import transformers
+
+    torch.manual_seed(SEED)
+    diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), latent_channels=4,
+        norm_num_groups=4, layers_per_block=1).save_pretrained(root / "vae")
+    transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1)).save_pretrained(root / "text_encoder")
 
 
 def loaded(name: str, root: Path) -> torch.nn.Module:

@@ -96,7 +96,7 @@ def _where(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _time_limit(seconds: int) -> Iterator[None]:
+def time_limit(seconds: int) -> Iterator[None]:
     """Raise TimeoutError in this (main) thread after ``seconds``: one hanging
     architecture ends as a row instead of ending the chunk."""
     def stop(signum: int, frame: Any) -> None:
@@ -125,47 +125,64 @@ def _step(model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[float, float]
     return loss.item(), grads
 
 
-def _takes_media(inputs: dict[str, Any]) -> bool:
+def takes_media(inputs: dict[str, Any]) -> bool:
     from annot.huggingface.example_inputs import AUDIO_INPUTS, IMAGE_INPUTS
 
     return any(key in IMAGE_INPUTS | AUDIO_INPUTS | {"flattened_patches"} for key in inputs)
 
 
-def probe(kind: str, arch: str, class_name: str) -> dict[str, Any]:
-    """One architecture's row (see the module's text)."""
+class Skipped(Exception):
+    """transformers itself cannot give the tiny model a training step: the message is
+    the reason (the tiny config does not validate; the model does not build, save or
+    load; its forward takes no labels)."""
+
+
+def tiny_model(kind: str, arch: str, class_name: str, directory: Path) -> torch.nn.Module:
+    """The tiny model of ``arch`` for probe class ``kind``: ``class_name`` built from
+    the tiny config and `SEED`, saved into ``directory`` with ``save_pretrained`` and
+    loaded back with ``from_pretrained``, in training mode. Raises `Skipped`."""
     import transformers
 
-    from annot.huggingface.example_inputs import ExampleInputsError, training_inputs
     from tests.huggingface.sweep_configs import tiny_config
 
-    row: dict[str, Any] = {"class": kind, "arch": arch, "model_class": class_name}
     try:
         config = tiny_config(arch, kind)
-    except Exception as error:  # noqa: BLE001 - recorded as the row's reason
-        return {**row, "outcome": "skipped", "reason": f"the tiny config does not validate: {_first_line(error)}"}
+    except Exception as error:  # noqa: BLE001 - the reason
+        raise Skipped(f"the tiny config does not validate: {_first_line(error)}") from error
+    try:
+        cls = getattr(transformers, class_name)
+        torch.manual_seed(SEED)
+        built = cls._from_config(config)
+        built.save_pretrained(directory)
+        del built
+        model = cls.from_pretrained(directory).train()
+    except Exception as error:  # noqa: BLE001
+        raise Skipped(f"transformers fails to build, save or load it: {_first_line(error)} at {_where(error)}") \
+            from error
+    if "labels" not in inspect.signature(model.forward).parameters:
+        raise Skipped(f"transformers: {class_name}.forward takes no labels (it computes no loss)")
+    return model
+
+
+def probe(kind: str, arch: str, class_name: str) -> dict[str, Any]:
+    """One architecture's row (see the module's text)."""
+    from annot.huggingface.example_inputs import ExampleInputsError, training_inputs
+
+    row: dict[str, Any] = {"class": kind, "arch": arch, "model_class": class_name}
     with tempfile.TemporaryDirectory() as directory:
         try:
-            cls = getattr(transformers, class_name)
-            torch.manual_seed(SEED)
-            built = cls._from_config(config)
-            built.save_pretrained(directory)
-            del built
-            model = cls.from_pretrained(directory).train()
-        except Exception as error:  # noqa: BLE001
-            return {**row, "outcome": "skipped",
-                    "reason": f"transformers fails to build, save or load it: {_first_line(error)} at {_where(error)}"}
+            model = tiny_model(kind, arch, class_name, Path(directory))
+        except Skipped as error:
+            return {**row, "outcome": "skipped", "reason": str(error)}
         row["params"] = sum(p.numel() for p in model.parameters())
-        if "labels" not in inspect.signature(model.forward).parameters:
-            return {**row, "outcome": "skipped",
-                    "reason": f"transformers: {class_name}.forward takes no labels (it computes no loss)"}
         try:
-            seq = _seq_for(model, training_inputs)
+            seq = seq_for(model, training_inputs)
             row["seq"] = seq
             inputs = training_inputs(model, batch=BATCH, seq=seq, generator=torch.Generator().manual_seed(1))
         except ExampleInputsError as error:
             return {**row, "outcome": "no_inputs", "reason": _first_line(error)}
         except Exception as error:  # noqa: BLE001
-            return _failed(row, kind, arch, "inputs", error)
+            return failure_row(row, kind, arch, "inputs", error)
         row["inputs"] = {k: list(v.shape) if isinstance(v, torch.Tensor) else repr(v)[:40]
                          for k, v in inputs.items()}
         fake = _fake_difference(model, inputs, seq)
@@ -183,7 +200,7 @@ def probe(kind: str, arch: str, class_name: str) -> dict[str, Any]:
             if first != second:
                 return {**row, "outcome": "failing",
                         "reason": f"the step is not deterministic: loss, gradient sum {first} then {second}"}
-            if _takes_media(inputs):
+            if takes_media(inputs):
                 stage = "text-only step"
                 try:
                     text = training_inputs(model, batch=BATCH, seq=seq, generator=torch.Generator().manual_seed(1),
@@ -202,7 +219,7 @@ def probe(kind: str, arch: str, class_name: str) -> dict[str, Any]:
         except ExampleInputsError as error:
             return {**row, "outcome": "no_inputs", "reason": f"{stage}: {_first_line(error)}"}
         except Exception as error:  # noqa: BLE001
-            return _failed(row, kind, arch, stage, error)
+            return failure_row(row, kind, arch, stage, error)
     return {**row, "outcome": "ok"}
 
 
@@ -226,7 +243,7 @@ def _fake_difference(model: torch.nn.Module, inputs: dict[str, Any], seq: int) -
     return ""
 
 
-def _seq_for(model: torch.nn.Module, training_inputs: Any) -> int:
+def seq_for(model: torch.nn.Module, training_inputs: Any) -> int:
     """`SEQ`, or more where the model's media need more placeholder tokens than it
     leaves room for (DeepSeek-OCR 2: 145 per image), as the builder's refusal says."""
     import re
@@ -242,7 +259,7 @@ def _seq_for(model: torch.nn.Module, training_inputs: Any) -> int:
     return SEQ
 
 
-def _failed(row: dict[str, Any], kind: str, arch: str, stage: str, error: BaseException) -> dict[str, Any]:
+def failure_row(row: dict[str, Any], kind: str, arch: str, stage: str, error: BaseException) -> dict[str, Any]:
     reason = f"{stage}: {_first_line(error)} at {_where(error)}"
     known = TRANSFORMERS_FAILURES.get((kind, arch))
     if known is not None and known[0] in str(error):
@@ -315,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         began = time.monotonic()
         try:
-            with _time_limit(ARCH_TIMEOUT_S):
+            with time_limit(ARCH_TIMEOUT_S):
                 row = probe(kind, arch, cls)
         except TimeoutError as error:
             row = {"class": kind, "arch": arch, "model_class": cls, "outcome": "failing",

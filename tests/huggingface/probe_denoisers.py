@@ -45,8 +45,20 @@ FLEX_ONLY = {
 ONE_SAMPLE = {"Cosmos3OmniTransformer"}
 
 
-def _batch(model: nn.Module) -> int:
+def batch_size(model: nn.Module) -> int:
+    """The samples of one training step of ``model`` (`ONE_SAMPLE`: one)."""
     return 1 if type(model).__name__ in ONE_SAMPLE else BATCH
+
+
+def flex_backward_reason(name: str, error: BaseException) -> str | None:
+    """Why class ``name`` takes no training step here where ``error`` is torch's
+    FlexAttention lacking a backward on CPU and the class is one of `FLEX_ONLY`; None
+    for any other error."""
+    if name in FLEX_ONLY and isinstance(error, NotImplementedError) and \
+            "FlexAttention does not support backward" in str(error):
+        return (f"torch's FlexAttention has no backward on CPU and {FLEX_ONLY[name]}; "
+                f"run on a GPU for the training step")
+    return None
 
 
 def _step(model: nn.Module, seed: int) -> tuple[float, torch.Tensor]:
@@ -54,7 +66,7 @@ def _step(model: nn.Module, seed: int) -> tuple[float, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # classes that draw inside their forward draw the same
     generator = torch.Generator().manual_seed(seed)
-    inputs, target = denoiser_inputs(model, batch=_batch(model), generator=generator)
+    inputs, target = denoiser_inputs(model, batch=batch_size(model), generator=generator)
     loss = flow_matching_loss(model, inputs, target)
     loss.backward()
     return loss.item(), loss.detach()
@@ -74,7 +86,7 @@ def _forward_only(model: nn.Module) -> str:
     backward cannot run here."""
     try:
         with torch.no_grad():
-            inputs, target = denoiser_inputs(model, batch=_batch(model), generator=torch.Generator().manual_seed(SEED))
+            inputs, target = denoiser_inputs(model, batch=batch_size(model), generator=torch.Generator().manual_seed(SEED))
             loss = flow_matching_loss(model, inputs, target)
         return f"ok, loss {loss.item():.4f}"
     except Exception as error:
@@ -129,7 +141,7 @@ def _fake_step(model: nn.Module) -> str:
 
     fake, mode = fake_copy(model, None)
     with mode:
-        inputs, target = denoiser_inputs(fake, batch=_batch(model), generator=torch.Generator().manual_seed(SEED))
+        inputs, target = denoiser_inputs(fake, batch=batch_size(model), generator=torch.Generator().manual_seed(SEED))
         real = [t for t in tree_leaves((inputs, target)) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)]
         if real:
             return f"inputs hold {len(real)} real tensors"
@@ -157,7 +169,7 @@ def probe(name: str, cls: type) -> dict[str, Any]:
             row.update(_hints(model))
             model.train()
             try:  # the builder alone: a refusal is the builder's answer, not a failure
-                denoiser_inputs(model, batch=_batch(model), generator=torch.Generator().manual_seed(SEED))
+                denoiser_inputs(model, batch=batch_size(model), generator=torch.Generator().manual_seed(SEED))
             except ValueError as error:
                 row.update(status="no_inputs", reason=str(error))
                 return row
@@ -166,11 +178,10 @@ def probe(name: str, cls: type) -> dict[str, Any]:
             try:
                 loss_a, _ = _step(model, SEED)
             except NotImplementedError as error:
-                if name not in FLEX_ONLY or "FlexAttention does not support backward" not in str(error):
+                reason = flex_backward_reason(name, error)
+                if reason is None:
                     raise
-                row.update(status="skipped", error=_short(error), forward=_forward_only(model),
-                           reason=f"torch's FlexAttention has no backward on CPU and {FLEX_ONLY[name]}; "
-                                  f"run the probe on a GPU for the training step")
+                row.update(status="skipped", error=_short(error), forward=_forward_only(model), reason=reason)
                 return row
             unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
             loss_b, _ = _step(model, SEED)

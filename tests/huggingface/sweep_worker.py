@@ -8,7 +8,8 @@ names, saved beside the model), and runs ``annot plan DIR`` and ``annot plan DIR
 --memory`` in that process. An architecture that cannot get this far is skipped there,
 with the reason.
 
-This file's main runs under torchrun on 2 CPU ranks, one launch for many architectures::
+This file's main (`serve`, which the class sweep's worker shares) runs under torchrun on
+2 CPU ranks, one launch for many architectures::
 
     python -m torch.distributed.run --nproc_per_node 2 sweep_worker.py ROWS PREPARED BUDGET_S ARCH...
 
@@ -34,6 +35,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +135,13 @@ def annot_step(directory: Path, ids: torch.Tensor, **options: Any) -> tuple[floa
     model = annot.from_pretrained(directory, "fsdp2", device="cpu", **options)
     rank = dist.get_rank()
     rows = ids[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
-    loss = model(input_ids=rows, labels=rows).loss
+    return gathered_step(model, model(input_ids=rows, labels=rows).loss)
+
+
+def gathered_step(model: torch.nn.Module, loss: torch.Tensor) -> tuple[float, dict[str, torch.Tensor | None], list[str]]:
+    """``loss.backward()`` on every rank of the group, then what the sweeps compare: the
+    mean loss over ranks, every gradient of ``model`` gathered whole (None where there
+    is none), and the trainable parameters' names."""
     loss.backward()
     mean = loss.detach().clone()
     dist.all_reduce(mean)
@@ -156,13 +164,13 @@ def compare(ref: tuple[float, dict[str, torch.Tensor], list[str]],
                            "loss_rel": abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)}
     if set(trainable) != set(ref_trainable):
         out["difference"] = (f"trainable parameters differ: only annot {sorted(set(trainable) - set(ref_trainable))[:5]}, "
-                             f"only transformers {sorted(set(ref_trainable) - set(trainable))[:5]}")
+                             f"only the reference {sorted(set(ref_trainable) - set(trainable))[:5]}")
         return out
     worst, where = 0.0, ""
     for name, ref_grad in ref_grads.items():
         grad = grads.get(name)
         if grad is None:
-            out["difference"] = f"no gradient for {name} (transformers has one)"
+            out["difference"] = f"no gradient for {name} (the reference has one)"
             return out
         if grad.shape != ref_grad.shape:
             out["difference"] = f"gradient of {name}: shape {tuple(grad.shape)} vs {tuple(ref_grad.shape)}"
@@ -239,31 +247,45 @@ def prepare(model_type: str, directory: Path) -> dict[str, Any]:
     return row
 
 
+def run_scenario(run: Callable[[], dict[str, Any]], moe: bool = False) -> dict[str, Any]:
+    """``run()`` on every rank (one scenario of one architecture: annot's step compared
+    with its reference); its result, the annot error that refused it (``refused``, with
+    ``moe`` naming an experts' conversion as `_refusal` does) or the crash. The ranks
+    agree: where one rank crashed, was refused or saw a difference, that is the answer."""
+    from annot.policies.errors import AnnotError
+
+    try:
+        result = run()
+    except AnnotError as exc:
+        result = {"refused": _refusal(exc, moe), "error_type": type(exc).__name__}
+    except Exception as exc:  # noqa: BLE001
+        result = {"crash": f"{_first_line(exc)} at {_where(exc)}",
+                  "traceback": traceback.format_exc()[-3000:]}
+    return next((r for r in _agree(result) if set(r) & {"crash", "refused", "difference"}), result)
+
+
 def run_arch(prepared: dict[str, Any], directory: Path) -> dict[str, Any]:
     """The 2-rank part of one prepared architecture, on every rank: annot's two steps
     compared with the reference; the final row."""
-    from annot.policies.errors import AnnotError
-
     row = dict(prepared)
     ref = torch.load(directory / REFERENCE)
     ids = batch(dist.get_world_size())
-    for label, options in (("fsdp2", {}), ("fsdp2_checkpoint", {"checkpoint": True})):
-        try:
-            result: dict[str, Any] = compare(ref, annot_step(directory, ids, **options))
-        except AnnotError as exc:
-            result = {"refused": _refusal(exc, row.get("moe", False)), "error_type": type(exc).__name__}
-        except Exception as exc:  # noqa: BLE001
-            result = {"crash": f"{_first_line(exc)} at {_where(exc)}",
-                      "traceback": traceback.format_exc()[-3000:]}
-        row[label] = next((r for r in _agree(result) if set(r) & {"crash", "refused", "difference"}), result)
+    for label, options in SCENARIOS.items():
+        row[label] = run_scenario(lambda options=options: compare(ref, annot_step(directory, ids, **options)),
+                                  row.get("moe", False))
     row["outcome"], row["reason"] = classify(row)
     return row
 
 
-def classify(row: dict[str, Any]) -> tuple[str, str]:
+#: Scenario label (the row's field) -> from_pretrained's options.
+SCENARIOS: dict[str, dict[str, Any]] = {"fsdp2": {}, "fsdp2_checkpoint": {"checkpoint": True}}
+
+
+def classify(row: dict[str, Any], labels: Iterable[str] = tuple(SCENARIOS)) -> tuple[str, str]:
     """pass, refused (an annot error, with its reason) or failing (a crash, a silent
-    difference, or a plan command that did not exit 0 on a model that trains)."""
-    runs = [row["fsdp2"], row["fsdp2_checkpoint"]]
+    difference, or a plan command that did not exit 0 on a model that trains), from the
+    row's scenarios ``labels`` (each a `run_scenario` result) and its plan commands."""
+    runs = [row[label] for label in labels]
     for run in runs:
         if "crash" in run:
             return "failing", f"crash: {run['crash']}"
@@ -279,27 +301,32 @@ def classify(row: dict[str, Any]) -> tuple[str, str]:
     return "pass", ""
 
 
-def main() -> None:
-    rows_path, prepared_root, budget, *archs = sys.argv[1:]
+def serve(run_one: Callable[[dict[str, Any], Path], dict[str, Any]]) -> None:
+    """A sweep worker's main, under torchrun: ``ROWS PREPARED BUDGET_S NAME...`` from
+    the command line; for each name in turn, until BUDGET_S seconds have passed, its
+    prepared row (PREPARED/NAME/`PREPARED`) as it is where it already has an outcome,
+    else ``run_one(prepared row, PREPARED/NAME)`` on every rank. Rank 0 writes the name
+    it starts into ROWS.current and appends each final row to ROWS."""
+    rows_path, prepared_root, budget, *names = sys.argv[1:]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     torch.set_num_threads(1)
     rank = dist.get_rank()
     start = time.monotonic()
     rows_file = Path(rows_path)
-    for model_type in archs:
+    for name in names:
         if time.monotonic() - start > float(budget):
             break
-        directory = Path(prepared_root) / model_type
+        directory = Path(prepared_root) / name
         prepared = json.loads((directory / PREPARED).read_text())
         if rank == 0:
-            Path(f"{rows_path}.current").write_text(model_type)
+            Path(f"{rows_path}.current").write_text(name)
         began = time.monotonic()
-        row = prepared if prepared["outcome"] is not None else run_arch(prepared, directory)
+        row = prepared if prepared["outcome"] is not None else run_one(prepared, directory)
         row["seconds"] = round(time.monotonic() - began, 1)
         if rank == 0:
             with rows_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(f"sweep: {model_type}: {row['outcome']} {row.get('reason', '')[:160]}", flush=True)
+            print(f"sweep: {name}: {row['outcome']} {row.get('reason', '')[:160]}", flush=True)
         dist.barrier()
     if rank == 0:
         Path(f"{rows_path}.current").unlink(missing_ok=True)
@@ -309,4 +336,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    serve(run_arch)

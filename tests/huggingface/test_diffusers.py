@@ -79,10 +79,10 @@ def test_a_component_is_chosen_by_name_and_an_unknown_one_is_refused(pipelines, 
     pipeline = pipelines["flux"]
     assert type(annot.from_pretrained(pipeline, engine=None, component="transformer")).__name__ == \
         "FluxTransformer2DModel"
-    with pytest.raises(annot.PretrainedPathError, match="has no component 'vae'.*transformer"):
-        annot.from_pretrained(pipeline, engine=None, component="vae")
+    with pytest.raises(annot.PretrainedPathError, match="has no component 'unet'.*transformer"):
+        annot.from_pretrained(pipeline, engine=None, component="unet")
     with pytest.raises(annot.PretrainedPathError, match="not a diffusers pipeline folder"):
-        annot.from_pretrained(pipeline / "transformer", engine=None, component="vae")
+        annot.from_pretrained(pipeline / "transformer", engine=None, component="unet")
 
 
 def test_a_config_naming_no_diffusers_class_is_refused_in_annots_words(tmp_path):
@@ -98,7 +98,7 @@ def two_ranks(pipelines, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("diffusers-run") / "results.pt"
     root = next(iter(pipelines.values())).parent
     cases = [f"{name}:{scenario}" for name in DENOISERS for scenario in ("plain", "checkpoint")]
-    torchrun(WORKER, str(out), str(root), *cases, "flux:save", timeout=600)
+    torchrun(WORKER, str(out), str(root), *cases, "flux:save", "flux:components", timeout=600)
     return torch.load(out, weights_only=False)
 
 
@@ -117,3 +117,12 @@ def test_a_two_rank_save_loads_in_diffusers_bitwise(pipelines, two_ranks):
     back = type(theirs).from_pretrained(saved)
     for key, value in _state(theirs).items():
         assert torch.equal(_state(back)[key], value), key
+
+
+@pytest.mark.distributed
+def test_frozen_vae_and_text_encoder_load_sharded_for_the_forward_only(two_ranks):
+    """``component=`` of a pipeline, ``freeze="all"``: the VAE's ``encode`` and ``decode``
+    (methods, not ``forward``: FSDP2 gathers the root for them too) and the CLIP text
+    encoder give the libraries' own loads' outputs on each rank, nothing trains."""
+    for rank in two_ranks["flux:components"]:
+        assert rank == {"vae_encode": True, "vae_decode": True, "text_encoder": True, "trainable": 0}

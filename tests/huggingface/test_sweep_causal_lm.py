@@ -16,8 +16,6 @@ instead of running the whole sweep into a temporary folder.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +23,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.huggingface.sweep_causal_lm import causal_lm_types, run_sweep  # noqa: E402
-from tests.huggingface.sweep_worker import GRAD_ATOL, LOSS_RTOL  # noqa: E402
+from tests.huggingface.sweep_driver import check_row, sweep_selection  # noqa: E402
 
 ARCHS = causal_lm_types()
 TEST_NAME = "test_architecture_passes_or_is_refused_or_skipped_with_its_reason"
@@ -35,10 +33,7 @@ TEST_NAME = "test_architecture_passes_or_is_refused_or_skipped_with_its_reason"
 def sweep_rows(request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     # Only the architectures selected (-k), all in one run of the driver.
-    selected = [item.callspec.params["arch"] for item in request.session.items
-                if getattr(item, "originalname", "") == TEST_NAME]
-    given = os.environ.get("ANNOT_SWEEP_ROWS")
-    out = Path(given) if given else tmp_path_factory.mktemp("sweep") / "rows.jsonl"
+    selected, out = sweep_selection(request, tmp_path_factory, TEST_NAME, "arch")
     return run_sweep(selected or ARCHS, out)
 
 
@@ -46,18 +41,8 @@ def sweep_rows(request: pytest.FixtureRequest,
 @pytest.mark.distributed
 @pytest.mark.parametrize("arch", ARCHS)
 def test_architecture_passes_or_is_refused_or_skipped_with_its_reason(sweep_rows, arch):
-    """One architecture's row: pass, refused or skipped with the reason, never failing."""
-    row = sweep_rows[arch]
-    if row["outcome"] == "skipped":
-        assert row["reason"], row
-        pytest.skip(f"{arch}: {row['reason']}")
-    assert row["outcome"] != "failing", f"{arch}: {row['reason']}"
-    if row["outcome"] == "refused":  # the worker records only annot's errors (AnnotError) so
-        refused = [run for run in (row["fsdp2"], row["fsdp2_checkpoint"]) if "refused" in run]
-        assert refused and all(run["error_type"] and run["refused"] for run in refused), row
-        return
-    assert row["outcome"] == "pass", row
-    for run in (row["fsdp2"], row["fsdp2_checkpoint"]):
-        assert run["loss_rel"] <= LOSS_RTOL, (arch, run)
-        assert run["grad_max"] <= GRAD_ATOL, (arch, run)
-    assert row["plan"]["rc"] == 0 and row["plan_memory"]["rc"] == 0, row
+    """One architecture's row: pass, refused or skipped with the reason, never failing
+    (`sweep_driver.check_row`: both scenarios within the bounds, both plan commands 0)."""
+    skip = check_row(sweep_rows[arch], ("fsdp2", "fsdp2_checkpoint"), arch)
+    if skip:
+        pytest.skip(skip)
