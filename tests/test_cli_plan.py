@@ -342,10 +342,14 @@ _SHORT_REACH = (
     "        return self.block(self.embed(input_ids)).sum()\n")
 
 
-def test_plan_memory_traces_a_shorter_default_seq_where_the_model_cannot_reach_its_own(capsys, tmp_path):
+def _plan_short_reach(capsys, tmp_path, *options: str):
     source = tmp_path / "reach.py"
     source.write_text(_SHORT_REACH)
-    code, out, _ = run(capsys, "plan", f"{source}:ShortReach", "--policy", "name:block", "--memory")
+    return run(capsys, "plan", f"{source}:ShortReach", "--policy", "name:block", "--memory", *options)
+
+
+def test_plan_memory_traces_a_shorter_default_seq_where_the_model_cannot_reach_its_own(capsys, tmp_path):
+    code, out, _ = _plan_short_reach(capsys, tmp_path)
     assert code == 0, out
     note = out.splitlines()[-1]
     assert note.startswith("note: traced at --seq 256: ShortReach.forward fails at the default 512")
@@ -353,8 +357,5 @@ def test_plan_memory_traces_a_shorter_default_seq_where_the_model_cannot_reach_i
 
 
 def test_plan_memory_given_seq_the_model_cannot_reach_is_an_error_not_a_fallback(capsys, tmp_path):
-    source = tmp_path / "reach.py"
-    source.write_text(_SHORT_REACH)
-    code, out, err = run(capsys, "plan", f"{source}:ShortReach", "--policy", "name:block", "--memory",
-                         "--seq", "400")
+    code, out, err = _plan_short_reach(capsys, tmp_path, "--seq", "400")
     assert code == 2 and out == "" and "positions beyond the table" in err

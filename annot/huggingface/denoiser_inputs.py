@@ -392,15 +392,22 @@ def _bria_fibo(d: _Draw, c: Config) -> dict[str, Any]:
     return kw
 
 
+def _four_axis_ids(d: _Draw, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flux 2's and 3's rotary ids (t, h, w, l): the image on its (h, w) grid at l = 0, the
+    text along l."""
+    img_ids = torch.zeros(h * w, 4, device=d.device)
+    img_ids[:, 1:3] = d.grid(h, w)
+    txt_ids = torch.zeros(d.text, 4, device=d.device)
+    txt_ids[:, 3] = d.arange(d.text)
+    return img_ids, txt_ids
+
+
 @_serves("Flux2Transformer2DModel")
 def _flux2(d: _Draw, c: Config) -> dict[str, Any]:
     x, h, w = _packed(d, c["in_channels"])
     # pipelines/flux2/pipeline_flux2.py: 4-axis ids (t, h, w, l), text advancing along l;
     # timestep / 1000; guidance = guidance scale (default 4.0) where the model embeds it.
-    img_ids = torch.zeros(h * w, 4, device=d.device)
-    img_ids[:, 1:3] = d.grid(h, w)
-    txt_ids = torch.zeros(d.text, 4, device=d.device)
-    txt_ids[:, 3] = d.arange(d.text)
+    img_ids, txt_ids = _four_axis_ids(d, h, w)
     kw = dict(hidden_states=x, encoder_hidden_states=d.texts(c["joint_attention_dim"]),
               timestep=d.time(), img_ids=img_ids, txt_ids=txt_ids)
     if c["guidance_embeds"]:
@@ -414,10 +421,7 @@ def _flux3(d: _Draw, c: Config) -> dict[str, Any]:
     # modular_pipelines/flux3/before_denoise.py: ids (t, h, w, l), image l = 0, text along
     # l; modular_pipelines/flux3/denoise.py passes t / 1000, and to a flow-map model the
     # timestep it jumps to (here 0: the whole way to the data).
-    img_ids = torch.zeros(h * w, 4, device=d.device)
-    img_ids[:, 1:3] = d.grid(h, w)
-    txt_ids = torch.zeros(d.text, 4, device=d.device)
-    txt_ids[:, 3] = d.arange(d.text)
+    img_ids, txt_ids = _four_axis_ids(d, h, w)
     kw = dict(hidden_states=x, encoder_hidden_states=d.texts(c["joint_attention_dim"]),
               timestep=d.time(), img_ids=img_ids, txt_ids=txt_ids)
     if c["flow_map"]:
