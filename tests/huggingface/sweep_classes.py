@@ -36,8 +36,8 @@ WORKER = Path(__file__).with_name("sweep_classes_worker.py")
 KEY = "case"  # a row's name: CLASS/NAME (bart is both a seq2seq and a masked-LM case)
 DIFFUSERS = "diffusers"
 #: The sweep's classes, in the order they run: the class probe's, then diffusers'.
-CLASSES = ("image_text", "seq2seq", "speech_seq2seq", "multimodal_lm", "masked_lm", "image_classification",
-           DIFFUSERS)
+CLASSES = ("image_text", "seq2seq", "speech_seq2seq", "multimodal_lm", "causal_multimodal", "masked_lm",
+           "image_classification", DIFFUSERS)
 
 
 def class_cases(kinds: list[str]) -> list[str]:

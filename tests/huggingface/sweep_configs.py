@@ -207,7 +207,7 @@ def _zero_noise(config: Any) -> None:
 
 #: The tasks `tiny_config` serves: the causal-LM sweep's and the auto mappings of the
 #: class probe (tests/huggingface/probe_classes.py).
-TASKS = ("causal_lm", "image_text", "seq2seq", "speech_seq2seq", "multimodal_lm", "masked_lm",
+TASKS = ("causal_lm", "image_text", "seq2seq", "speech_seq2seq", "multimodal_lm", "causal_multimodal", "masked_lm",
          "image_classification")
 IMAGE = 32
 # Token ids for the special tokens a default config leaves unset (BLIP-2's image token):
