@@ -85,9 +85,9 @@ class ZeroContribution(torch.autograd.Function):
 
 @dataclasses.dataclass
 class _Modality:
-    """One modality of a model: its feature method, the argument that carries it, the
-    arguments the method takes by name, and whether the forward takes precomputed
-    encoder outputs (``mm_encoder_outputs``)."""
+    """One modality of a model: its name (``mm_encoder_outputs``' key), its feature
+    method, the forward argument that carries it (the method's first), and the
+    arguments the method takes by name."""
 
     name: str
     method: Callable[..., Any]
@@ -136,11 +136,11 @@ class ModalityStandIns:
             if has[dist.get_rank()]:
                 if self.ordered_gathers:  # run it here, where every rank runs its stand-in
                     own = {name: bound[name] for name in modality.parameters if bound.get(name) is not None}
-                    kwargs = {k: v for k, v in kwargs.items() if k != modality.trigger}
-                    encoder_outputs = dict(kwargs.get("mm_encoder_outputs") or {})
+                    # Every argument by name from here: the trigger leaves, the rest stay.
+                    bound = {k: v for k, v in bound.items() if k != modality.trigger}
+                    encoder_outputs = dict(bound.get("mm_encoder_outputs") or {})
                     encoder_outputs[modality.name] = modality.method(**own, return_dict=True)
-                    kwargs["mm_encoder_outputs"] = encoder_outputs
-                    args = tuple(a for a in args if a is not bound[modality.trigger])
+                    bound["mm_encoder_outputs"] = encoder_outputs
                     changed = True
                 continue
             inputs = _to_device(payload[0], _device_of(module))
@@ -148,7 +148,7 @@ class ModalityStandIns:
             self.pending += [t for t in tree_leaves(_consumed(output))
                              if isinstance(t, torch.Tensor) and t.requires_grad]
             self.stand_ins += 1
-        return (args, kwargs) if changed else None
+        return ((), bound) if changed else None
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         others, self.pending = self.pending, []
