@@ -455,19 +455,33 @@ def _tensor_attributes_kept(model: nn.Module) -> Iterator[None]:
     """Leave ``model``'s modules as they were: a forward that stores a tensor on its
     module (RecurrentGemma's ``recurrent_states``) left a fake tensor with a graph on the
     user's model after a trace that runs on it (``functional_call``), and the next
-    trace's deep copy of the model failed on it (issue #29's sweep). Any tensor attribute
-    the call sets or replaces is put back as it was (removed, or its old value)."""
-    before = {module: dict(vars(module)) for module in model.modules()}
+    trace's deep copy of the model failed on it (issue #29's sweep). The same for the
+    plain objects a module holds: Emu3's vocabulary mapping caches a tensor
+    (``functools.cached_property``) built during the trace, and the next trace met that
+    fake tensor from another fake mode ("Mixing fake modes", then a crash in the
+    interpreter's cleanup; issue #42's sweep). Any tensor attribute the call sets or
+    replaces is put back as it was (removed, or its old value)."""
+    holders: list[Any] = list(model.modules())
+    for module in list(holders):
+        holders += [value for value in vars(module).values() if _plain_object(value)]
+    before = {id(holder): (holder, dict(vars(holder))) for holder in holders}
     try:
         yield
     finally:
-        for module, attributes in before.items():
-            for name, value in list(vars(module).items()):
+        for holder, attributes in before.values():
+            for name, value in list(vars(holder).items()):
                 if isinstance(value, torch.Tensor) and attributes.get(name, None) is not value:
                     if name in attributes:
-                        module.__dict__[name] = attributes[name]
+                        holder.__dict__[name] = attributes[name]
                     else:
-                        del module.__dict__[name]
+                        del holder.__dict__[name]
+
+
+def _plain_object(value: Any) -> bool:
+    """An instance of a class of its own (not a module, tensor, container or type) with
+    attributes a forward may cache tensors in."""
+    return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, torch.Tensor, type))
+            and not callable(value) and type(value).__module__ != "builtins")
 
 
 @contextlib.contextmanager

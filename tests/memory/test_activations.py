@@ -8,6 +8,8 @@ it). The estimator traces fake tensors once and derives both figures from that t
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -300,3 +302,30 @@ def test_a_trace_leaves_no_tensor_on_the_model():
     trace_activations(model, None, batch=1, seq=4)
     assert model.recurrent_states is None
     copy.deepcopy(model)  # the next trace copies the model: it failed on the fake tensor
+
+
+class _Vocabulary:
+    """A plain helper object that caches a tensor on first use, as Emu3's image
+    vocabulary mapping does (``functools.cached_property``)."""
+
+    @functools.cached_property
+    def lookup(self) -> torch.Tensor:
+        return torch.arange(11) % 7
+
+
+class _CachesOnAHelper(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.vocabulary = _Vocabulary()
+
+    def forward(self, input_ids=None):
+        return self.embed(self.vocabulary.lookup[input_ids]).square().mean()
+
+
+def test_a_trace_leaves_no_tensor_cached_on_a_helper_object():
+    model = _CachesOnAHelper()
+    first = trace_activations(model, None, batch=1, seq=4)
+    assert "lookup" not in vars(model.vocabulary)
+    # the second trace met the first one's fake tensor: "Mixing fake modes"
+    assert trace_activations(model, None, batch=1, seq=4) == first
