@@ -56,6 +56,10 @@ def died_row(name: str, output: str, key: str = "arch") -> Row:
             "reason": "the launch died while running it: " + " | ".join(tail)[-600:]}
 
 
+#: The mark a prepare leaves in its folder until its row is written.
+PREPARING = "preparing"
+
+
 def prepared_root(out: Path) -> Path:
     """Where the prepared models and rows of the sweep writing ``out`` live."""
     return out.with_name(out.name + ".prepared")
@@ -73,11 +77,13 @@ def forget(out: Path, names: Iterable[str], key: str = "arch") -> None:
 
 
 def prepare_all(names: list[str], root: Path, prepare: Callable[[str, Path], Row],
-                budget_s: float = float("inf")) -> None:
+                budget_s: float = float("inf"), key: str = "arch") -> None:
     """``prepare(name, root / name)`` (the single-process stage) for every name not
     prepared under ``root`` yet, until ``budget_s`` seconds have passed; its row goes
     into ``root / name / PREPARED``. An architecture that ends here (its row has an
-    outcome) keeps only its row."""
+    outcome) keeps only its row. One the stage's process died on (a native crash in
+    the interpreter: it left its ``PREPARING`` mark and no row) is recorded as failing
+    when the next run meets it, rather than crashing that run too; ``--rerun`` retries."""
     start = time.monotonic()
     for name in names:
         directory = root / name
@@ -85,13 +91,21 @@ def prepare_all(names: list[str], root: Path, prepare: Callable[[str, Path], Row
             continue
         if time.monotonic() - start > budget_s:
             return
-        shutil.rmtree(directory, ignore_errors=True)
-        began = time.monotonic()
-        row = prepare(name, directory)
-        row["prepare_seconds"] = round(time.monotonic() - began, 1)
+        if (directory / PREPARING).exists():
+            row: Row = {key: name, "outcome": "failing",
+                        "reason": "the single-process stage's process died while preparing "
+                                  "it (a previous run; --rerun to try again)"}
+        else:
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+            (directory / PREPARING).touch()
+            began = time.monotonic()
+            row = prepare(name, directory)
+            row["prepare_seconds"] = round(time.monotonic() - began, 1)
         if row["outcome"] is not None:
             shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)
+        (directory / PREPARING).unlink(missing_ok=True)
         (directory / PREPARED).write_text(json.dumps(row))
         print(f"prepared {name}: {row['outcome'] or 'to train'} {row.get('reason', '')[:160]}", flush=True)
 
@@ -142,7 +156,7 @@ def run_stages(names: list[str], out: Path, prepare: Callable[[str, Path], Row],
     start = time.monotonic()
     if "prepare" in stages:
         done = read_rows(out, key)
-        prepare_all([n for n in names if n not in done], prepared_root(out), prepare, budget_s)
+        prepare_all([n for n in names if n not in done], prepared_root(out), prepare, budget_s, key)
     if "train" in stages:
         return train_all(names, out, worker, budget_s - (time.monotonic() - start), key)
     return read_rows(out, key)

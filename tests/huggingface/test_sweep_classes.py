@@ -148,3 +148,25 @@ def test_a_died_launch_is_a_failing_row_of_its_case_and_rerun_forgets_it(tmp_pat
     sweep_driver.forget(out, ["masked_lm/bert"], "case")
     assert [json.loads(line)["case"] for line in out.read_text().splitlines()] == ["seq2seq/t5"]
     assert not (sweep_driver.prepared_root(out) / "masked_lm/bert").exists()
+
+
+def test_a_case_whose_prepare_killed_the_process_is_recorded_as_failing(tmp_path):
+    # A native crash in the single-process stage (Emu3's, once) leaves the case's mark
+    # and no row: the next run records it as failing instead of dying on it again.
+    root = tmp_path / "rows.jsonl.prepared"
+    (root / "image_text" / "crashes").mkdir(parents=True)
+    (root / "image_text" / "crashes" / sweep_driver.PREPARING).touch()
+    prepared = []
+
+    def prepare(name, directory):
+        prepared.append(name)
+        return {"case": name, "outcome": None}
+
+    sweep_driver.prepare_all(["image_text/crashes", "image_text/fine"], root, prepare, key="case")
+    rows = {name: json.loads((root / name / sweep_driver.PREPARED).read_text())
+            for name in ("image_text/crashes", "image_text/fine")}
+    assert prepared == ["image_text/fine"]
+    assert rows["image_text/crashes"]["outcome"] == "failing"
+    assert "died while preparing" in rows["image_text/crashes"]["reason"]
+    assert rows["image_text/fine"]["outcome"] is None
+    assert not (root / "image_text" / "fine" / sweep_driver.PREPARING).exists()
