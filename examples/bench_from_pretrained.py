@@ -10,8 +10,11 @@ decoder layers, 12 by default (0.66B parameters, 2.46 GiB), 22 for TinyLlama's 1
 
 Without ``--ways`` or ``--save`` it prints issue #32's table in one run: on 2 CPU ranks,
 the floor, reading into fresh memory, annot's default and ``mmap=True``, transformers on
-every rank and transformers' own FSDP2, each cold and warm (``--repeat`` rounds, the
-median), with each way's peak RSS per rank above its start against the shard; then
+every rank, transformers' own FSDP2, torchtitan's way and rank 0 + broadcast, each cold
+and warm (``--repeat`` rounds, the median), with each way's peak RSS per rank above its
+start against the shard, its first write and its load plus first write (issue #42: what
+a run pays before its first step is done), and annot's load plus first write over each
+peer's; then
 ``annot.save`` against ``safetensors.torch.save_file`` of the same tensors (+ fsync) and
 the write floor, and a check that annot's files hold the source's tensors bitwise.
 
@@ -40,7 +43,13 @@ row per rank:
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(DIR)`` on every rank;
 - ``transformers_fsdp``: the same with ``distributed_config=DistributedConfig(fsdp_size=N)``:
   transformers shards the model with FSDP2 itself (the same job as annot's rows);
-- ``rank 0 + broadcast``: rank 0 loads with transformers, the other ranks build the model
+- ``torchtitan``: torchtitan's way of starting from a HuggingFace checkpoint: the model
+  built on the meta device, ``fully_shard`` on every decoder layer and the root,
+  ``to_empty(device="cpu")``, the rotary buffers computed as torchtitan computes its RoPE
+  cache, then ``torch.distributed.checkpoint.load`` of the model's sharded state dict
+  through ``HuggingFaceStorageReader(DIR)`` (each rank reads its rows through
+  safetensors' map, into a new tensor, then copies them into its shard);
+- ``rank0`` (rank 0 + broadcast): rank 0 loads with transformers, the other ranks build the model
   on the meta device, all shard it with FSDP2, and torch's ``set_model_state_dict``
   (``broadcast_from_rank0``) scatters rank 0's tensors (the usual recipe).
 
@@ -110,7 +119,7 @@ if TYPE_CHECKING:
     import torch
 
 WAYS = ("pread", "pread_fresh", "bound", "annot", "annot_mmap", "annot_fsdp1", "annot_zero3", "transformers",
-        "transformers_fsdp", "rank0")
+        "transformers_fsdp", "torchtitan", "rank0")
 LABELS = {"pread": "floor: pread of the rank's rows",
           "pread_fresh": "pread into fresh memory",
           "bound": "least sharded map: meta, fully_shard, map",
@@ -120,6 +129,7 @@ LABELS = {"pread": "floor: pread of the rank's rows",
           "annot_zero3": "annot.from_pretrained ZeRO-3",
           "transformers": "transformers, every rank",
           "transformers_fsdp": "transformers, fsdp_size=N (FSDP2)",
+          "torchtitan": "torchtitan's way: meta, fully_shard, to_empty, DCP HF reader",
           "rank0": "rank 0 + broadcast (FSDP2)"}
 SAVE_WAYS = ("write", "gather", "annot", "safetensors", "safetensors_whole", "annot_fsdp1",
              "annot_zero3")
@@ -212,6 +222,8 @@ def worker(way: str, directory: str) -> None:
         model = AutoModelForCausalLM.from_pretrained(
             directory, dtype=torch.float32,
             distributed_config=DistributedConfig(fsdp_size=dist.get_world_size()))
+    elif way == "torchtitan":
+        model = _torchtitan_load(directory)
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -233,7 +245,9 @@ def worker(way: str, directory: str) -> None:
     # Read every tensor this rank holds once, as the first training step will: a
     # memory-mapped checkpoint is paged in, and counted in RSS, only when touched.
     tensors = [t for t in _local_tensors(model) if not t.is_meta]
-    if way in ("bound", "annot_mmap", "transformers_fsdp"):  # mapped, not read: rchar does not see it
+    # Mapped, not read (safetensors' own reads, torchtitan's way, go through a map too):
+    # rchar does not see it.
+    if way in ("bound", "annot_mmap", "transformers_fsdp", "torchtitan"):
         loaded_bytes = sum(t.nbytes for t in tensors)
     with torch.no_grad():
         for tensor in tensors:
@@ -244,11 +258,75 @@ def worker(way: str, directory: str) -> None:
         for tensor in tensors:
             tensor.mul_(1.0)
     dist.barrier()
+    if way == "torchtitan":
+        _check_rotary(model)
     _finish(rank, base_rss, base_read, start, loaded_bytes, seconds=seconds,
             first_write=time.perf_counter() - written)
 
 
 PAGE = 4096
+
+
+def _torchtitan_load(directory: str) -> torch.nn.Module:
+    """The ``torchtitan`` way: how torchtitan starts from a HuggingFace checkpoint
+    (``CheckpointManager.dcp_load`` with ``from_hf``), on transformers' Llama, whose
+    state-dict names are the checkpoint's keys (torchtitan's key adapter is then the
+    identity). Meta build, ``fully_shard`` on every decoder layer and the root,
+    ``to_empty`` on the CPU (each rank allocates its shards, values undefined), the
+    rotary buffers (not in the checkpoint) computed as torchtitan computes its RoPE
+    cache, then torch's ``dcp.load`` of the model's sharded state dict through
+    ``HuggingFaceStorageReader`` with its defaults, as torchtitan builds it (one thread;
+    each read item is a ``safe_open(...).get_slice(key)[rows]``, a copy out of the
+    file's map into a new tensor, then copied into the shard). torchtitan then hands
+    the dict back to ``load_state_dict``; its tensors here are the parameters' own
+    storage, so that copy would change nothing and is left out."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    _rotary_as_torchtitan(model, config, torch.device("cpu"))
+    state = get_model_state_dict(model)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(directory))
+    return model
+
+
+def _rotary_as_torchtitan(model: torch.nn.Module, config, device: torch.device) -> None:
+    """Fill the Llama's rotary buffers (``inv_freq`` and its copy ``original_inv_freq``,
+    non-persistent, so in no checkpoint) with what torchtitan's RoPE computes for the
+    config's theta and head size (plain RoPE: the bench's config scales nothing), on
+    ``device`` as its ``init_states(buffer_device=...)`` does; checked equal to
+    transformers' own values after the clock (`_check_rotary`)."""
+    import torch
+
+    rotary = model.model.rotary_emb
+    theta = config.rope_parameters["rope_theta"]
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    with torch.device(device), torch.no_grad():
+        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+        rotary.inv_freq.copy_(freqs)
+        rotary.original_inv_freq.copy_(freqs)
+
+
+def _check_rotary(model: torch.nn.Module) -> None:
+    """Raise unless the rotary buffers hold transformers' own values (the torchtitan
+    way computes them itself: a wrong formula would load a model that computes wrong)."""
+    import torch
+
+    rotary = model.model.rotary_emb
+    expected, _ = type(rotary).compute_default_rope_parameters(rotary.config)
+    for buffer in (rotary.inv_freq, rotary.original_inv_freq):
+        if not torch.equal(buffer, expected):
+            raise RuntimeError("torchtitan way: the rotary buffers differ from transformers' values")
 
 
 def _map_own_rows(model: torch.nn.Module, directory: Path) -> None:
@@ -311,7 +389,8 @@ def _import_everything(directory: str) -> None:
     AutoConfig.from_pretrained(directory)
     for module in ("transformers.models.llama.modeling_llama", "transformers.core_model_loading",
                    "transformers.conversion_mapping", "torch.distributed.tensor",
-                   "torch.distributed.checkpoint.state_dict", "annot.huggingface.pretrained",
+                   "torch.distributed.checkpoint.state_dict", "torch.distributed.checkpoint.hf_storage",
+                   "safetensors", "annot.huggingface.pretrained",
                    "annot.wrap", "annot.engines.fsdp2", "annot.checkpoint_io.loading"):
         importlib.import_module(module)
 
@@ -558,7 +637,8 @@ def load_table(args: argparse.Namespace, directory: Path, ways: list[str]) -> No
         print("peak RSS and above start: the largest of the launches")
 
 
-ISSUE_WAYS = ("pread", "pread_fresh", "annot", "annot_mmap", "transformers", "transformers_fsdp")
+ISSUE_WAYS = ("pread", "pread_fresh", "annot", "annot_mmap", "transformers", "transformers_fsdp",
+              "torchtitan", "rank0")
 ISSUE_SAVE_WAYS = ("write", "safetensors_whole", "annot")
 
 
@@ -594,7 +674,10 @@ def issue_table(args: argparse.Namespace, directory: Path, file_bytes: int) -> N
     shard = file_bytes / args.ranks
     times: dict[tuple[str, str], list[float]] = {}
     above: dict[str, int] = {}
-    writes: dict[str, list[float]] = {}
+    writes: dict[tuple[str, str], list[float]] = {}
+    # Each launch's load plus its first write (what a run pays before its first step is
+    # done), summed per launch so the median is of one launch's whole cost.
+    totals: dict[tuple[str, str], list[float]] = {}
     residents = []
     for _ in range(args.repeat):
         for state in ("cold", "warm"):
@@ -608,14 +691,18 @@ def issue_table(args: argparse.Namespace, directory: Path, file_bytes: int) -> N
                             while f.read(2**26):
                                 pass
                 rows = launch(way, directory, args.ranks, args.timeout)
-                times.setdefault((way, state), []).append(max(r["seconds"] for r in rows))
-                if state == "warm" and rows[0]["first_write"] is not None:
-                    writes.setdefault(way, []).append(max(r["first_write"] for r in rows))
+                seconds = max(r["seconds"] for r in rows)
+                times.setdefault((way, state), []).append(seconds)
+                if rows[0]["first_write"] is not None:
+                    write = max(r["first_write"] for r in rows)
+                    writes.setdefault((way, state), []).append(write)
+                    totals.setdefault((way, state), []).append(seconds + write)
                 above[way] = max(above.get(way, 0), *(r["above"] for r in rows))
     median = {key: statistics.median(v) for key, v in times.items()}
     print(f"\nLoad, {args.ranks} CPU ranks, slowest rank's time, median of {args.repeat}; "
           f"cold: posix_fadvise(DONTNEED) per file, {100 * max(residents):.1f}% of the pages "
-          f"still resident after it at most; shard {gib(shard)} per rank")
+          f"still resident after it at most; shard {gib(shard)} per rank; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min) at the end")
     rows = []
     for way in ISSUE_WAYS:
         cells = [LABELS[way]]
@@ -623,12 +710,13 @@ def issue_table(args: argparse.Namespace, directory: Path, file_bytes: int) -> N
             seconds = median[(way, state)]
             cells.append(f"{seconds:.2f} s ({seconds / median[('pread', state)]:.1f}x)")
         cells += [gib(above[way]), f"{above[way] / shard:.2f}",
-                  f"{statistics.median(writes[way]):.2f} s" if way in writes else "-"]
+                  _pair(writes, way), _pair(totals, way)]
         rows.append(tuple(cells))
     print_table(("way", "cold (x floor)", "warm (x floor)", "peak RSS above start / rank",
-                 "/ shard", "first write"), rows)
-    print("first write: every tensor a rank holds written once after the load (warm, not in "
-          "its time), as a first optimizer step does: where a mapped weight is copied")
+                 "/ shard", "first write (cold / warm)", "load + first write (cold / warm)"), rows)
+    print("first write: every tensor a rank holds written once after the load (not in its "
+          "time), as a first optimizer step does: where a mapped weight is copied")
+    _print_against_peers(totals)
     save_rows = []
     for way in ISSUE_SAVE_WAYS:
         out = Path(tempfile.mkdtemp(prefix="annot-bench-save-", dir=directory.parent))
@@ -644,6 +732,26 @@ def issue_table(args: argparse.Namespace, directory: Path, file_bytes: int) -> N
     print(f"\nSave, {args.ranks} CPU ranks, every file fsynced; slowest rank")
     print_table(("way", "time"), save_rows)
     print(f"annot.save's files hold the source's tensors bitwise: {same}")
+
+
+def _pair(values: dict[tuple[str, str], list[float]], way: str) -> str:
+    """``way``'s cold and warm medians of ``values``, or ``-`` where it has none."""
+    if (way, "cold") not in values:
+        return "-"
+    return " / ".join(f"{statistics.median(values[(way, state)]):.2f} s" for state in ("cold", "warm"))
+
+
+def _print_against_peers(totals: dict[tuple[str, str], list[float]]) -> None:
+    """annot's default load + first write over each other loader's (issue #42: at most
+    1.00 for every peer, cold and warm, in one run)."""
+    peers = [way for way in ISSUE_WAYS  # the floors read nothing into a model; mmap is annot's own
+             if way not in ("pread", "pread_fresh", "annot", "annot_mmap") and (way, "cold") in totals]
+    cells = []
+    for way in peers:
+        ratios = [statistics.median(totals[("annot", state)]) / statistics.median(totals[(way, state)])
+                  for state in ("cold", "warm")]
+        cells.append(f"{LABELS[way]} {ratios[0]:.2f} / {ratios[1]:.2f}")
+    print("annot's default load + first write over each peer's (cold / warm): " + "; ".join(cells))
 
 
 def same_tensors(source: Path, saved: Path) -> bool:

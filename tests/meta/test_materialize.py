@@ -287,3 +287,27 @@ def test_a_seed_set_inside_the_block_is_replayed_where_it_was_set():
     for (name, got), want in zip(model.named_parameters(), eager.parameters(), strict=True):
         assert torch.equal(got, want), name
     assert torch.equal(second.weight, eager_second.weight)
+
+
+def test_allocation_gives_what_to_empty_gives():
+    """`materialize` allocates with its own `_to_empty` (faster for DTensors and contiguous
+    tensors, issue #42): each tensor as `nn.Module.to_empty` makes it: kind, shape,
+    strides, dtype, device, requires_grad; a non-contiguous buffer keeps to_empty's strides."""
+    from annot.meta.materialization import _to_empty
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            model = nn.Linear(6, 4)
+            model.register_buffer("transposed", torch.empty(3, 5, dtype=torch.float16).t())
+            model.register_buffer("scale", torch.empty(2), persistent=False)
+            model.bias.requires_grad_(False)
+        return model
+
+    def described(model: nn.Module) -> list[tuple]:
+        return [(name, type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+                for name, t in _state(model).items()]
+
+    expected, got = build(), build()
+    expected.to_empty(device="cpu")
+    _to_empty(got, "cpu")
+    assert described(got) == described(expected)
