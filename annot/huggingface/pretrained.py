@@ -107,6 +107,8 @@ def from_pretrained(
     from annot.wrap import auto_wrap
 
     path = model_folder(path, component)
+    if engine is None and auto_wrap_options:  # before the build: a mistake costs no load
+        raise ValueError(f"engine=None takes no auto_wrap options, got {', '.join(auto_wrap_options)}")
     model = build_pretrained(path, torch_dtype=torch_dtype, trust_remote_code=trust_remote_code,
                              auto_class=auto_class, peft_config=peft_config)
     if strict:
@@ -115,8 +117,6 @@ def from_pretrained(
         _freeze(model, freeze)
     source = checkpoint_source(model, path)
     if engine is None:
-        if auto_wrap_options:
-            raise ValueError(f"engine=None takes no auto_wrap options, got {', '.join(auto_wrap_options)}")
         from annot.checkpoint_io.loading import load_logged
 
         load_logged(model, source.path, None, mmap=mmap, format=source.format)
