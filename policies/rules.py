@@ -426,13 +426,23 @@ class _RepeatedBlocks(Rule):
             if isinstance(module, (nn.ModuleList, nn.Sequential)):
                 children = list(module.children())
                 kinds = {type(child) for child in children}
-                if len(children) >= 2 and len(kinds) == 1 and any(
+                # Lists of lists (Florence-2's stages of blocks): a list has no forward to
+                # shard around; the inner lists' elements are found on their own.
+                if len(children) >= 2 and len(kinds) == 1 and not _is_bare_container(children[0]) and any(
                     True for _ in children[0].parameters()
                 ):
                     for child_path in index.children_paths(path):
                         if child_path in index.modules:
                             out[child_path] = f"repeated_blocks({type(children[0]).__name__})"
         return index.ordered(out)
+
+
+def _is_bare_container(module: nn.Module) -> bool:
+    """A module without a ``forward`` of its own (a module list or dict, a bare
+    ``nn.Module`` holding attributes, as Chameleon's VQ encoder groups each level's
+    blocks): its parent calls what it holds, never it, so FSDP2's hooks around its
+    forward would never gather its parameters. Never a unit."""
+    return type(module).forward is nn.Module.forward
 
 
 def repeated_blocks(*, note: str | None = None) -> Rule:
@@ -458,7 +468,8 @@ class _ListElements(Rule):
                     path == p or path.startswith(p + ".") for p in out):
                 for child_path in index.children_paths(path):
                     child = index.modules.get(child_path)
-                    if child is not None and any(True for _ in child.parameters()):
+                    if child is not None and not _is_bare_container(child) and any(
+                            True for _ in child.parameters()):
                         out[child_path] = f"list_elements({type(child).__name__})"
         return index.ordered(out)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import annot
-from annot.policies import Policy, by_role, list_elements, make_plan
+from annot.policies import Policy, by_role, list_elements, make_plan, repeated_blocks
 from annot.policies.roles import module_roles
 
 
@@ -95,6 +95,9 @@ def test_list_elements_takes_a_layer_every_depth_shares():
             super().__init__()
             self.layers = nn.ModuleList([nn.Linear(4, 4)])
 
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers[0](x)
+
     class Shared(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -104,6 +107,44 @@ def test_list_elements_takes_a_layer_every_depth_shares():
     with torch.device("meta"):
         model = Shared()
     assert list(list_elements().select(annot.policies.model_index.ModelIndex(model))) == ["groups.0"]
+
+
+def test_lists_of_lists_give_their_inner_elements_never_a_list():
+    """Florence-2's vision stages: a list of lists of blocks. A list has no forward for
+    FSDP2 to shard around ("fully_shard does not support containers that do not
+    implement forward"); the fallbacks take the blocks inside."""
+
+    class Stages(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]) for _ in range(2)])
+
+    with torch.device("meta"):
+        model = Stages()
+    inner = ["blocks.0.0", "blocks.0.1", "blocks.1.0", "blocks.1.1"]
+    index = annot.policies.model_index.ModelIndex
+    assert list(repeated_blocks().select(index(model))) == inner
+    assert list(list_elements().select(index(model))) == inner
+
+
+def test_a_bare_module_holding_blocks_is_not_a_unit_its_blocks_are():
+    """Chameleon's and Emu3's VQ encoder: each level a plain ``nn.Module`` holding a
+    ``block`` list, whose blocks the encoder's forward calls directly: FSDP2's hooks on
+    the level would never run (its parameters stayed sharded: "got mixed torch.Tensor
+    and DTensor")."""
+
+    def level() -> nn.Module:
+        holder = nn.Module()
+        holder.block = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        return holder
+
+    with torch.device("meta"):
+        model = nn.Module()
+        model.down = nn.ModuleList([level(), level()])
+    blocks = ["down.0.block.0", "down.0.block.1", "down.1.block.0", "down.1.block.1"]
+    index = annot.policies.model_index.ModelIndex
+    assert list(repeated_blocks().select(index(model))) == blocks
+    assert list(list_elements().select(index(model))) == blocks
 
 
 def test_roles_of_a_model_of_one_part_are_empty_and_by_role_says_so():

@@ -367,6 +367,8 @@ def apply_fsdp2(
             mp_policy=mp_policy,
             offload_policy=_offload_policy(_unit_offloads(unit, offload), pin),
         )
+        if len(modules) == 1:
+            register_entry_methods(modules[0])
 
     fully_shard(
         model,
@@ -374,16 +376,24 @@ def apply_fsdp2(
         mp_policy=mp_policy,
         offload_policy=_offload_policy(bool(offload), pin),
     )
-    for name in ENTRY_METHODS:
-        if callable(getattr(type(model), name, None)):
-            register_fsdp_forward_method(model, name)
+    register_entry_methods(model)
     return model
 
 
-#: Methods users call on a model instead of ``forward`` (a diffusers VAE's ``encode`` and
-#: ``decode``, CLIP's ``get_text_features``): FSDP2 gathers the root's parameters in its
-#: forward hooks only, so each is registered to run them too (called bare, the root's
-#: own parameters were still sharded: "got mixed torch.Tensor and DTensor").
+def register_entry_methods(module: nn.Module) -> None:
+    """Make ``module``'s (a unit's or the root's) methods of `ENTRY_METHODS` gather its
+    parameters as its ``forward`` does. A unit is called that way too: Chameleon's and
+    Emu3's image tokenizer (a unit) through ``encode``, from the model's forward."""
+    for name in ENTRY_METHODS:
+        if callable(getattr(type(module), name, None)):
+            register_fsdp_forward_method(module, name)
+
+
+#: Methods called on a model or a unit instead of ``forward`` (a diffusers VAE's ``encode``
+#: and ``decode``, CLIP's ``get_text_features``, a VLM's image tokenizer's ``encode``):
+#: FSDP2 gathers a module's parameters in its forward hooks only, so each is registered
+#: to run them too (called bare, the parameters were still sharded: "got mixed
+#: torch.Tensor and DTensor").
 ENTRY_METHODS = ("encode", "decode", "get_text_features", "get_image_features", "get_audio_features",
                  "get_video_features")
 

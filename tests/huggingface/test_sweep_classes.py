@@ -108,6 +108,18 @@ def test_a_nonzero_gradient_the_reference_lacks_is_a_difference():
     assert "non-zero gradients the reference has not: ['b']" in compare_whole(ref, extra)["difference"]
 
 
+def test_a_huge_gradient_is_compared_relative_to_its_size_and_a_wrong_one_still_differs():
+    """BLIP-2's tiny model: gradients of 1e10 (zero-initialised query tokens normalised),
+    where float32 sums in another order differ by thousands, a few millionths."""
+    ref = _step(1.0, a=[2.3e10, 1.0])
+    rounded = (1.0, {"a": torch.tensor([2.3e10 + 16384.0, 1.0])}, ["a", "b"])
+    assert "difference" not in compare_whole(ref, rounded)
+    doubled = (1.0, {"a": torch.tensor([4.6e10, 1.0])}, ["a", "b"])
+    assert "gradient of a off by" in compare_whole(ref, doubled)["difference"]
+    small_off = (1.0, {"a": torch.tensor([2.3e10, 1.001])}, ["a", "b"])  # 1e-3 on an element of 1
+    assert "gradient of a off by" in compare_whole(ref, small_off)["difference"]
+
+
 PASSED = {"loss_rel": 0.0, "grad_max": 0.0}
 PLANNED = {"plan": {"rc": 0, "stderr": ""}, "plan_memory": {"rc": 0, "stderr": ""}}
 
