@@ -99,8 +99,14 @@ def quiet() -> None:
 
 
 def hf_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """A transformers model's loss on its batch (labels included)."""
-    return model(**batch).loss
+    """A transformers model's loss on its batch (labels included); `Skipped` where the
+    forward returns none (ShieldGemma-2's classifier returns probabilities only)."""
+    from tests.huggingface.probe_classes import Skipped
+
+    loss = model(**batch).loss
+    if loss is None:
+        raise Skipped(f"transformers: {type(model).__name__}.forward returns no loss for its labels")
+    return loss
 
 
 def denoiser_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -212,11 +218,30 @@ def _hf_prepare(kind: str, arch: str, directory: Path) -> Row:
     except Exception as error:  # noqa: BLE001 - annot's builder crashed: the probe's failure
         return failure_row(row, kind, arch, "the inputs builder", error)
     cls = getattr(transformers, class_name)
+    lost = _lost_in_round_trip(cls, directory)
+    if lost:
+        return {**row, "outcome": "skipped", "reason": f"transformers fails to load its own save: {lost}"}
     refs = _references(lambda: cls.from_pretrained(directory), hf_loss, batches)
+    if isinstance(refs, Skipped):
+        return {**row, "outcome": "skipped", "reason": str(refs)}
     if isinstance(refs, BaseException):
         return failure_row(row, kind, arch, "the reference step", refs)
     _save(directory, batches, refs)
     return row
+
+
+def _lost_in_round_trip(cls: type, directory: Path) -> str:
+    """Empty, or what says that ``cls.from_pretrained`` of the save in ``directory``
+    reads it under other names: weights missing and checkpoint keys unused at once
+    (ShieldGemma-2's image-text class misses the language model its classification
+    model wrote under another prefix). A reference with those weights at random values
+    compares nothing. Keys missing alone are what transformers re-creates (Marian's
+    tables) and stay the launch's to compare."""
+    _, info = cls.from_pretrained(directory, output_loading_info=True)
+    missing, unused = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    if not (missing and unused):
+        return ""
+    return f"{len(missing)} weights missing (e.g. {missing[0]}) and {len(unused)} keys unused (e.g. {unused[0]})"
 
 
 def _references(load: Callable[[], torch.nn.Module], loss_of: Callable[[torch.nn.Module, Batch], torch.Tensor],
