@@ -166,3 +166,19 @@ def refuse_computing_outside_forward(model: nn.Module, engine: str) -> None:
         raise EngineNotAvailableError(
             f"{type(model).__name__} cannot be sharded by {engine}: {cls}: {why}. Train it with "
             "engine='ddp' (or DeepSpeed ZeRO-1/2), which keep whole parameters")
+
+
+def refuse_scalar_parameters(model: nn.Module, engine: str) -> None:
+    """Raise `EngineNotAvailableError` for a model holding a parameter without
+    dimensions (Moonshine-Streaming's ``log_k``, VibeVoice's ``latent_scaling_factor``):
+    FSDP2 shards along dim 0 and refuses such a parameter inside ``fully_shard``, after
+    the model has changed; here it is named before anything changes, with the engines
+    that take it (FSDP1 and ZeRO-3 flatten parameters, DDP keeps them whole)."""
+    scalars = [name for name, param in model.named_parameters() if param.dim() == 0]
+    if scalars:
+        shown = ", ".join(scalars[:4]) + (f" and {len(scalars) - 4} more" if len(scalars) > 4 else "")
+        raise EngineNotAvailableError(
+            f"{type(model).__name__} cannot be sharded by {engine}: {shown} "
+            f"{'has' if len(scalars) == 1 else 'have'} no dimension, and FSDP2 shards every "
+            "parameter along its first. Train it with engine='fsdp1' or 'deepspeed' (they "
+            "flatten parameters) or 'ddp', or make the parameter one-dimensional (shape (1,)).")

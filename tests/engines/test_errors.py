@@ -158,3 +158,13 @@ def test_fsdp1_refuses_offloading_only_some_units(one_rank):
 def test_fsdp1_offload_on_cpu_is_refused_rather_than_crashing_in_torch(one_rank):
     with pytest.raises(annot.EngineNotAvailableError, match="FSDP1 parameter offload.*engine='fsdp2'"):
         annot.auto_wrap(small_gpt(), "fsdp1", offload=True, device="cpu")
+
+
+def test_fsdp2_refuses_a_parameter_without_dimensions_by_name_before_changing_the_model(one_rank):
+    """Moonshine-Streaming's ``log_k``: FSDP2 cannot shard it; torch's own error came
+    from inside fully_shard, the model half sharded."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model.register_parameter("log_k", torch.nn.Parameter(torch.tensor(0.5)))
+    with pytest.raises(annot.EngineNotAvailableError, match=r"log_k has no dimension.*engine='fsdp1'"):
+        annot.auto_wrap(model, "fsdp2", annot.by_class(torch.nn.Linear))
+    assert not any(hasattr(p, "placements") for p in model.parameters())
