@@ -61,11 +61,16 @@ def refuse_mapping(engine: str, maps_checkpoint: bool, load_from: object | None,
         raise CheckpointError(f"mmap=True: {why}. Load without mmap.")
 
 
+def _first(names: list[str], most: int) -> str:
+    """The first ``most`` of ``names`` for an error message, and how many more there are."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def check_not_meta(model: nn.Module) -> None:
     """Raise `MetaDeviceError` listing the modules whose tensors have no storage yet."""
     meta = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if meta:
-        shown = ", ".join(meta[:5]) + (f" and {len(meta) - 5} more" if len(meta) > 5 else "")
+        shown = _first(meta, 5)
         raise MetaDeviceError(
             f"{type(model).__name__} has tensors on the meta device ({shown}) and no record of "
             "how to initialize them: build it under `with annot.meta_init():` (then auto_wrap "
@@ -147,7 +152,7 @@ def _refuse_added_after_wrapping(optimizer: torch.optim.Optimizer) -> None:
         added = [name.replace("_fsdp_wrapped_module.", "")  # FSDP1's level, in no user name
                  for name, p in model.named_parameters() if id(p) in stepped and id(p) not in known]
         if added:
-            shown = ", ".join(added[:4]) + (f" and {len(added) - 4} more" if len(added) > 4 else "")
+            shown = _first(added, 4)
             raise OptimizerOrderError(
                 f"{shown} joined {type(model).__name__} after annot.auto_wrap(engine={engine!r}), "
                 f"which does not synchronise them across ranks: each rank would train its own "
@@ -176,7 +181,7 @@ def refuse_scalar_parameters(model: nn.Module, engine: str) -> None:
     that take it (FSDP1 and ZeRO-3 flatten parameters, DDP keeps them whole)."""
     scalars = [name for name, param in model.named_parameters() if param.dim() == 0]
     if scalars:
-        shown = ", ".join(scalars[:4]) + (f" and {len(scalars) - 4} more" if len(scalars) > 4 else "")
+        shown = _first(scalars, 4)
         raise EngineNotAvailableError(
             f"{type(model).__name__} cannot be sharded by {engine}: {shown} "
             f"{'has' if len(scalars) == 1 else 'have'} no dimension, and FSDP2 shards every "

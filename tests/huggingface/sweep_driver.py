@@ -281,8 +281,8 @@ def sweep_selection(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
 
 def check_row(row: Row, labels: Iterable[str], name: str) -> str | None:
     """The sweep tests' check of the row of ``name``: None for a pass (each scenario of
-    ``labels`` within `LOSS_RTOL` and `GRAD_ATOL` (past `GRAD_RTOL` of the reference), both plan commands exit 0) or a
-    refusal by an annot error with its reason; a skip's reason (the test skips with it).
+    ``labels`` within `LOSS_RTOL`, and `GRAD_ATOL` past `GRAD_RTOL` of the reference;
+    both plan commands exit 0) or a refusal by an annot error with its reason; a skip's reason (the test skips with it).
     Raises AssertionError for a failing row, or one that breaks those promises."""
     if row["outcome"] == "skipped":
         assert row["reason"], row
