@@ -120,6 +120,8 @@ def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
     if lenient and _is_huggingface(model):
         units, note = _no_checkpoint_of_cache_writers(index, units)
         warnings += note
+        units, note = _input_embeddings_with_the_root(model, index, units)
+        warnings += note
     roles = module_roles(model)
     if policy.towers is not None:
         units = _tower_units(index, units, roles, policy.towers)
@@ -205,6 +207,38 @@ def _no_checkpoint_of_cache_writers(index: ModelIndex, units: list[Unit]) -> tup
     return kept, [f"not checkpointed: {', '.join(dropped)} take a key/value cache that "
                   f"{type(index.model).__name__} cannot turn off (no module takes use_cache); "
                   "recomputing them would write it twice"]
+
+
+def _input_embeddings_with_the_root(model: nn.Module, index: ModelIndex, units: list[Unit]
+                                    ) -> tuple[list[Unit], list[str]]:
+    """The default policy does not shard apart the module that holds the model's input
+    embeddings (``get_input_embeddings()``) when that module is a unit of its own
+    (ModernVBERT's ``ModernBertEmbeddings``, from ``_no_split_modules``): multimodal
+    models embed their text by calling ``get_input_embeddings()`` outside that unit's
+    forward, before it runs, and an engine that reduces a unit's gradients after its
+    backward had reduced before the embedding's gradient arrived (docs/design.md,
+    pitfall 61). The root holds it, as it holds most models' embeddings."""
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        embeddings = getter() if callable(getter) else None
+    except NotImplementedError:
+        return units, []
+    path = next((p for p, m in model.named_modules() if m is embeddings), None) if embeddings is not None else None
+    if not path:
+        return units, []
+    holder = parent_path(path)
+    # Only a unit that is the embeddings' own container: never one holding other units
+    # (a whole language model made one unit keeps its sharding).
+    dropped = [u.path for u in units if u.has(Action.SHARD) and u.path in (path, holder) and not u.group
+               and not any(v.path != u.path and is_under(v.path, u.path) for v in units)]
+    if not dropped:
+        return units, []
+    kept = [dataclasses.replace(unit, actions=tuple(a for a in unit.actions if a is not Action.SHARD),
+                                reason=unit.reason + "; not sharded apart: holds the input embeddings")
+            if unit.path in dropped else unit for unit in units]
+    return [u for u in kept if u.actions], [
+        f"{', '.join(dropped)} not sharded apart: {type(model).__name__} embeds through "
+        "get_input_embeddings(), outside that unit's forward; the root holds it"]
 
 
 def _tower_units(index: ModelIndex, units: list[Unit], roles: dict[str, str], mode: str) -> list[Unit]:

@@ -324,6 +324,31 @@ def test_plan_memory_refuses_a_16_bit_precision_the_model_fails_with_when_it_is_
     assert "--precision bf16-mixed traces the forward with 16-bit parameters" in err
 
 
+_FP32_BUFFER = (
+    "import torch\nfrom torch import nn\nimport annot\n\n"
+    "@annot.shard_block\nclass Block(nn.Linear):\n    pass\n\n"
+    "class Fp32Buffer(nn.Module):\n"
+    "    # Copies its layer's output into an fp32 buffer it makes, as Cosmos-3-Omni's\n"
+    "    # scatter does: fails with 16-bit parameters and under bf16 autocast alike.\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.embed, self.block = nn.Embedding(11, 8), Block(8, 8)\n\n"
+    "    def forward(self, input_ids=None):\n"
+    "        h = self.block(self.embed(input_ids)).reshape(-1, 8)\n"
+    "        out = torch.zeros(h.shape, dtype=torch.float32)\n"
+    "        return out.scatter(0, torch.zeros(h.shape, dtype=torch.long), h).sum()\n")
+
+
+def test_plan_memory_plans_a_model_that_fails_under_autocast_too_in_fp32_and_says_so(capsys, tmp_path):
+    source = tmp_path / "buffer.py"
+    source.write_text(_FP32_BUFFER)
+    code, out, err = run(capsys, "plan", f"{source}:Fp32Buffer", "--memory", "--seq", "8")
+    assert code == 0, err
+    assert ", fp32, adamw;" in out
+    note = out.splitlines()[-1]
+    assert "planned with --precision fp32 instead (it fails under bf16 autocast too)" in note
+
+
 # A model whose config says 512 positions but whose forward reaches only 300 tokens (as
 # ProphetNet's n-gram streams take positions beyond the ones it is given).
 _SHORT_REACH = (

@@ -298,14 +298,29 @@ def _run_plan(args: argparse.Namespace) -> int:
         except Exception as exc:
             if args.precision_given or not fails_in_16_bit(exc, args.precision):
                 raise
-            report = estimate(FALLBACK_PRECISION, seq)
+            fallback = FALLBACK_PRECISION
+            try:
+                report = estimate(fallback, seq)
+            except Exception as again:
+                # Under autocast too (Cosmos-3-Omni scatters bf16 values into an fp32
+                # buffer): the model trains in fp32 only.
+                if not fails_in_16_bit(again, "bf16-mixed"):
+                    raise
+                fallback = "fp32"
+                report = estimate(fallback, seq)
+            kind = ("fp32 parameters and states, bf16 autocast" if fallback == FALLBACK_PRECISION
+                    else "it fails under bf16 autocast too")
             notes.append(f"{type(model).__name__}.forward fails with 16-bit parameters "
                          f"({type(exc).__name__}: {_first_line(exc)}), which the default --precision {args.precision} "
-                         f"gives it: planned with --precision {FALLBACK_PRECISION} instead (fp32 "
-                         "parameters and states, bf16 autocast); --precision chooses")
-            args.precision = FALLBACK_PRECISION
+                         f"gives it: planned with --precision {fallback} instead ({kind}); --precision chooses")
+            args.precision = fallback
     except (AnnotError, ValueError) as exc:
-        print(f"annot plan: error: {exc}", file=sys.stderr)
+        hint = ""
+        if "more than 1 value per channel" in str(exc):  # torch's batch norm, training mode
+            hint = (f" (a batch norm normalizes over the batch in training, and --batch {args.batch} "
+                    "leaves it one value per channel, in training too: plan the batch you train, "
+                    "--batch 2 or more)")
+        print(f"annot plan: error: {exc}{hint}", file=sys.stderr)
         return 2
     except Exception as exc:  # the model's own forward failed under fake tensors
         retried = _shorter_default_seq(args, model, seq, lambda s: estimate(args.precision, s), exc)
@@ -422,6 +437,11 @@ def fails_in_16_bit(exc: BaseException, precision: str) -> bool:
             and ("dtype" in text or "scalar type" in text))
 
 
+#: Said where a model's forward reads a value the memory trace cannot know (the sweeps
+#: count it a refusal by name).
+CANNOT_TRACE_VALUES = "which the --memory trace cannot know"
+
+
 def trace_failure(model, exc: Exception, precision: str = "fp32") -> str:
     """The message for a model whose forward failed under the memory trace's fake tensors:
     where it reads a tensor's value (``.item()``, a nonzero's size) the trace cannot know
@@ -434,7 +454,7 @@ def trace_failure(model, exc: Exception, precision: str = "fp32") -> str:
     first = _first_line(exc)
     if reads_values(exc):
         return (f"{name}.forward reads a tensor's value ({first}: e.g. .item() or a size "
-                "that depends on the data), which the --memory trace cannot know: it traces "
+                f"that depends on the data), {CANNOT_TRACE_VALUES}: it traces "
                 "shapes, not values. annot plan without --memory works, and so does training; "
                 "measure this model's peak in a real step instead")
     message = f"tracing {name}.forward for --memory failed: {type(exc).__name__}: {first}"

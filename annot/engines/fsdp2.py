@@ -19,8 +19,8 @@ Steps 0 and 1 are `FSDP2.prepare`, 2 and 3 `FSDP2.wrap` (`apply_fsdp2`), which
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,10 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from annot.engines.base import (
     INIT_SCALE,
@@ -68,6 +70,7 @@ from annot.engines.tensor_parallel import (
     check_tensor_parallel,
 )
 from annot.engines.training_state import TorchState
+from annot.errors import EngineNotAvailableError
 from annot.host_memory import pin_host_memory
 from annot.policies import Action, Plan, Unit
 from annot.policies.parallel import ParallelDims
@@ -343,6 +346,10 @@ def apply_fsdp2(
     # The mesh's last dimension is the one FSDP2 shards over (pitfall 25).
     pin = pin_offloaded_state(plan, offload, device, mesh.shape[-1])
 
+    # A parameter without elements (NucleusMoE's tiny dense MLP of width 0) has nothing to
+    # shard or reduce, and FSDP2's reduce-scatter copy fails on it ("_chunk_cat expects
+    # non-empty tensor"): FSDP2 leaves it a plain tensor.
+    empty = {p for p in model.parameters() if p.numel() == 0} or None
     sharded_experts = set(experts.plan.experts) if experts is not None else set()
     if experts is not None:
         def experts_offload(path: str) -> OffloadPolicy:
@@ -367,18 +374,87 @@ def apply_fsdp2(
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy,
             offload_policy=_offload_policy(_unit_offloads(unit, offload), pin),
+            ignored_params=empty,
         )
         if len(modules) == 1:
             register_entry_methods(modules[0])
+    for unit in plan.units:  # once every unit is one: each hooks only its own parts
+        if unit.has(Action.SHARD) and not set(unit.modules) <= sharded_experts:
+            gather_on_outside_calls([model.get_submodule(path) for path in unit.modules])
 
     fully_shard(
         model,
         mesh=mesh,
         mp_policy=mp_policy,
         offload_policy=_offload_policy(bool(offload), pin),
+        ignored_params=empty,
     )
     register_entry_methods(model)
     return model
+
+
+def gather_on_outside_calls(modules: list[nn.Module]) -> None:
+    """Make a call of a part of the unit ``modules`` form (a submodule owning
+    parameters, not inside a nested unit) gather the unit's parameters when they are
+    sharded: a model that calls a unit's part from outside the unit's forward (DiT's
+    ``transformer_blocks[0].norm1.emb`` from the model's forward, Kosmos-2's
+    ``vision_model.model.post_layernorm`` from ``get_image_features``) otherwise
+    computes with a shard ("got mixed torch.Tensor and DTensor"). Inside the unit's
+    forward (or its recomputation) the parameters are gathered already and the call
+    does nothing. Gathered this way they stay so until the unit's post-backward
+    reduces their gradients (the outside call's included) and reshards them, or until
+    the root's final post-backward callback does for a unit whose forward did not run;
+    every rank makes the same calls, so the gathers pair. A part called before the
+    unit's forward has its backward after the unit's post-backward, when its parameters
+    are resharded: that fails in backward (design pitfall 61)."""
+    owner = cast(FSDPModule, modules[0])
+    outside: set[nn.Module] = set()  # parts called outside the unit's forward, until they return
+
+    def gatherer(name: str) -> Callable[..., None]:
+        def gather(part: nn.Module, _: Any) -> None:
+            # Gathered, FSDP2 registers plain tensors: the check costs far less than
+            # the no-op ``unshard`` (22 us a call here), run for every part each forward.
+            if isinstance(part._parameters[name], DTensor):
+                owner.unshard()
+                outside.add(part)
+        return gather
+
+    def watch(part: nn.Module, _: Any, output: Any) -> None:
+        if part not in outside:
+            return
+        outside.discard(part)
+        first = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is not None:
+            first.register_hook(lambda _grad: _refuse_late_gradient(owner, part))
+
+    def parts(module: nn.Module) -> Iterator[nn.Module]:
+        for child in module.children():
+            if isinstance(child, FSDPModule):  # a nested unit gathers its own
+                continue
+            yield child
+            yield from parts(child)
+
+    for module in modules:
+        for part in parts(module):
+            name = next((n for n, p in part._parameters.items() if p is not None and p.numel()), None)
+            if name is not None:
+                part.register_forward_pre_hook(gatherer(name))
+                part.register_forward_hook(watch)
+
+
+def _refuse_late_gradient(unit: FSDPModule, part: nn.Module) -> None:
+    """Raise when the gradient of a part called outside its unit's forward arrives after
+    the unit's post-backward reduced the unit's gradients: the part's would be lost
+    (called before the unit's forward, its backward comes after the unit's). An
+    embedding's backward does not read its weight, so nothing else would fail."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+    if any(group is not None and group._training_state == TrainingState.POST_BACKWARD for group in groups):
+        raise EngineNotAvailableError(
+            f"{type(part).__name__} inside the FSDP2 unit {type(unit).__name__.removeprefix('FSDP')} is called "
+            "outside that unit's forward and before it, so its gradient comes after FSDP2 reduced the "
+            "unit's: it would be lost. Make the part (or the module holding it) not a unit of its own "
+            "(a policy override), or call it inside the unit's forward (docs/design.md, pitfall 61)")
 
 
 def register_entry_methods(module: nn.Module) -> None:

@@ -41,7 +41,9 @@ one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -103,7 +105,7 @@ class ModalityStandIns:
 
     def __init__(self, model: nn.Module, modalities: list[_Modality], ordered_gathers: bool) -> None:
         self.model = model
-        self.name = type(model).__name__  # before an engine re-classes it (FSDP2: FSDP<Name>)
+        self.name = _class_name(model)
         self.modalities = modalities
         self.ordered_gathers = ordered_gathers
         self.forward_parameters = _parameters(model.forward)
@@ -112,16 +114,25 @@ class ModalityStandIns:
         self.pending: list[torch.Tensor] = []
         #: How many forwards ran a stand-in on this rank (tests read it).
         self.stand_ins = 0
+        #: Stand-in features the model adds to a language layer's input (Granite-4-Vision's
+        #: deepstack pairs), by layer: attached there (`_attach_at_layer`).
+        self.at_layer: dict[int, list[torch.Tensor]] = {}
+        self.layers = _language_layers(model)
+        for index, layer in enumerate(self.layers):
+            layer.register_forward_pre_hook(functools.partial(self._attach_at_layer, index), with_kwargs=True)
 
     def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.pending = []
+        self.at_layer = {}
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
             return None
         bound = self._bound(args, kwargs)
         present = tuple(bound.get(m.trigger) is not None for m in self.modalities)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, present)
+        if not self.ordered_gathers and any(len(set(flags)) > 1 for flags in zip(*everyone, strict=True)):
+            self._embed_first(bound)
         changed = False
         for index, modality in enumerate(self.modalities):
             has = [flags[index] for flags in everyone]
@@ -145,7 +156,11 @@ class ModalityStandIns:
                 continue
             inputs = _to_device(payload[0], _device_of(module))
             output = modality.method(**inputs, return_dict=True)
-            self.pending += [t for t in tree_leaves(_consumed(output))
+            injected = _injected(output, len(self.layers))
+            for index, consumed in injected:
+                self.at_layer.setdefault(index, []).extend(
+                    t for t in tree_leaves(consumed) if isinstance(t, torch.Tensor) and t.requires_grad)
+            self.pending += [t for t in tree_leaves(_consumed(output, injected=bool(injected)))
                              if isinstance(t, torch.Tensor) and t.requires_grad]
             self.stand_ins += 1
         return ((), bound) if changed else None
@@ -165,6 +180,43 @@ class ModalityStandIns:
                 f"{self.name}'s output has no loss, logits or last hidden state to carry the "
                 "stand-in tower's zero-weighted output: give every rank's batch the same modalities")
         return output
+
+    def _embed_first(self, bound: dict[str, Any]) -> None:
+        """Before a stand-in runs a tower, every rank calls the model's input embeddings
+        on one token of its ids, outside autograd: the ranks with the modality embed
+        their text before their tower, and where the embeddings are a unit called
+        outside its forward (ModernVBERT's text embeddings, reached through
+        ``get_input_embeddings()``), the engine gathers that unit there (docs/design.md,
+        pitfall 61). Gathered first on every rank, it pairs; the stand-in's tower came
+        first on the rank without images, and the ranks' all-gathers crossed. Where the
+        root holds the embeddings this gathers nothing."""
+        embed = getattr(self.model, "get_input_embeddings", None)
+        ids = bound.get("input_ids")
+        try:
+            embeddings = embed() if callable(embed) else None
+        except NotImplementedError:  # transformers' default for a model without one
+            embeddings = None
+        if isinstance(embeddings, nn.Module) and isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            with torch.no_grad():
+                embeddings(ids[:, :1])
+
+    def _attach_at_layer(self, index: int, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                         ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Attach the stand-in features a rank with images adds to this layer's input to
+        this rank's input of it, at weight zero: their gradient (and the tower's backward,
+        with its collectives) then comes where the other ranks' does, right after this
+        layer's backward. Attached at the output instead, the tower's backward ran after
+        every language layer's, while the ranks with images ran it after this one's."""
+        others = self.at_layer.pop(index, None)
+        if not others:
+            return None
+        if args and isinstance(args[0], torch.Tensor):
+            return (ZeroContribution.apply(args[0], *others), *args[1:]), kwargs
+        hidden = kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor):
+            return args, {**kwargs, "hidden_states": ZeroContribution.apply(hidden, *others)}
+        raise StandInError(f"{self.name}: language layer {index} takes no hidden states to carry the "
+                           "stand-in features at weight zero: give every rank's batch the same modalities")
 
     def _bound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The forward's arguments by name (positional ones named)."""
@@ -214,16 +266,26 @@ def install_stand_ins(model: nn.Module, *, ordered_gathers: bool
     differ."""
     from annot.policies.roles import TOWERS, module_roles
 
-    if not any(role in TOWERS for role in module_roles(model).values()):
-        return None
     host = _feature_host(model)
+    # A tower role, a feature method or a media argument each say the model reads media:
+    # Fuyu embeds its patches with a Linear of the root and has no vision config, so no
+    # tower role; Phi-4-multimodal names its pixels ``image_pixel_values``.
+    if not (any(role in TOWERS for role in module_roles(model).values())
+            or any(hasattr(host, f"get_{name}_features") for name in MODALITIES)
+            or _media_arguments(model)):
+        return None
     modalities = []
     for name in MODALITIES:
         method = getattr(host, f"get_{name}_features", None)
         if method is None:
             continue
-        parameters = tuple(n for n, p in inspect.signature(method).parameters.items()
-                           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        # Read from the class's function: FSDP2 registers the method of a unit or the root
+        # (`annot.engines.fsdp2.ENTRY_METHODS`) as a wrapper whose signature, bound,
+        # lost the first argument (Nemotron-H-Omni's pixel_values).
+        function = getattr(type(host), f"get_{name}_features", None)
+        parameters = tuple(n for n, p in list(inspect.signature(function).parameters.items())[1:]
+                           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) \
+            if callable(function) else ()
         if parameters:
             modalities.append(_Modality(name, method, parameters[0], parameters))
     if not modalities:
@@ -274,7 +336,7 @@ class CrossAttentionStandIn:
     IMAGE_INPUTS = ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")
 
     def __init__(self, model: nn.Module, layers: list[nn.Module]) -> None:
-        self.name = type(model).__name__
+        self.name = _class_name(model)
         self.forward_parameters = _parameters(model.forward)
         self.active = False
         self.stand_ins = 0
@@ -345,17 +407,31 @@ def _cross_attention_layers(model: nn.Module) -> list[nn.Module]:
     return []
 
 
+#: Forward arguments that carry media or describe it (``pixel_values``,
+#: ``image_pixel_values``, ``input_features``, Fuyu's ``image_patches``, Kosmos-2.5's
+#: ``flattened_patches``).
+_MEDIA_ARGUMENT = re.compile(r"pixel|image|video|audio|speech|patches|input_features|input_values")
+
+
+def _media_arguments(model: nn.Module) -> tuple[str, ...]:
+    """The arguments of ``model.forward`` whose names say they carry media."""
+    return tuple(n for n in _parameters(model.forward) if _MEDIA_ARGUMENT.search(n))
+
+
 def _refusing(model: nn.Module) -> Callable[..., None]:
-    """A pre-hook for a model with a tower and no feature method: the ranks exchange
-    whether their batch carries any of the usual tower inputs, and all refuse together
-    when they differ (a rank skipping the tower would hang the others)."""
-    names = ("pixel_values", "pixel_values_videos", "input_features", "input_values")
-    model_name = type(model).__name__  # before an engine re-classes it
+    """A pre-hook for a model that reads media and has no feature method: the ranks
+    exchange which media arguments their batch carries, and all refuse together when
+    they differ (a rank skipping the tower would hang the others)."""
+    forward_parameters = _parameters(model.forward)
+    names = _media_arguments(model) or ("pixel_values", "pixel_values_videos", "input_features", "input_values")
+    model_name = _class_name(model)
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
             return
-        present = tuple(kwargs.get(n) is not None for n in names)
+        positional = [n for n in forward_parameters if n not in kwargs]
+        bound = {**dict(zip(positional, args, strict=False)), **kwargs}
+        present = tuple(bound.get(n) is not None for n in names)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, present)
         for index, name in enumerate(names):
@@ -368,6 +444,13 @@ def _refusing(model: nn.Module) -> Callable[..., None]:
                     "hangs the others): give every rank's batch the same modalities")
 
     return hook
+
+
+def _class_name(model: nn.Module) -> str:
+    """The name of ``model``'s own class: the hooks are installed after the engine
+    wrapped the model, and FSDP2 re-classes a module as ``FSDP<Name>``."""
+    return next((cls.__name__ for cls in type(model).__mro__ if not cls.__name__.startswith("FSDP")),
+                type(model).__name__)
 
 
 def _parameters(function: Callable[..., Any]) -> list[str]:
@@ -383,7 +466,28 @@ def _parameters(function: Callable[..., Any]) -> list[str]:
 _CONSUMED = ("pooler_output", "deepstack_features")
 
 
-def _consumed(output: Any) -> list[Any]:
+def _language_layers(host: nn.Module) -> list[nn.Module]:
+    """The decoder layers of ``host``'s language model (``language_model.layers``), or
+    none."""
+    layers = getattr(getattr(host, "language_model", None), "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def _injected(output: Any, layer_count: int) -> list[tuple[int, Any]]:
+    """The features a model adds to a given language layer's input: deepstack pairs
+    ``(layer index, features)`` (Granite-4-Vision), for a model whose language layers
+    were found; else none. Of pairs naming the same layer only the last is used, as the
+    model keeps them in a dict by layer (what it drops gets no gradient on the ranks with
+    images, so the stand-in must not give it one)."""
+    pairs = getattr(output, "deepstack_features", None)
+    if not layer_count or not isinstance(pairs, (list, tuple)) or not pairs or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], int) and 0 <= p[0] < layer_count
+            for p in pairs):
+        return []
+    return list(dict(pairs).items())
+
+
+def _consumed(output: Any, injected: bool = False) -> list[Any]:
     """What of a features method's output the model goes on to use, and so what the
     stand-in attaches: exactly those, because what is attached decides which
     parameters get a (zero) gradient, and a rank that gives a gradient to parameters
@@ -391,9 +495,12 @@ def _consumed(output: Any) -> list[Any]:
     from an earlier one) or the other way round reduces a different set of tensors. The
     intermediate hidden states are never attached: given their gradient at once, a
     checkpointed block of the stand-in was recomputed before its turn and the ranks'
-    all-gathers crossed (LLaVA-OneVision)."""
-    found = [getattr(output, name) for name in _CONSUMED if getattr(output, name, None) is not None]
-    if found:
+    all-gathers crossed (LLaVA-OneVision). ``injected``: the deepstack features go to
+    their language layers instead (`_injected`), and what else is consumed is only
+    what the output names (no last hidden state: Granite-4-Vision uses none)."""
+    names = [name for name in _CONSUMED if not (injected and name == "deepstack_features")]
+    found = [getattr(output, name) for name in names if getattr(output, name, None) is not None]
+    if found or injected:
         return found
     last = getattr(output, "last_hidden_state", None)
     return [last] if last is not None else [output]

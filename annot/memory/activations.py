@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -141,7 +143,7 @@ def _trace_activations(model: nn.Module, plan: Plan | None, *, batch: int, seq: 
         handles.append(modules[path].register_forward_hook(leave))
     try:
         with fake_mode, values, _traceable(), _tensor_attributes_kept(model), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                _fake_tensor_attributes(model, fake_mode), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             torch.func.functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
     finally:
         for handle in handles:
@@ -400,6 +402,8 @@ def fake_copy(model: nn.Module, dtype: torch.dtype | None) -> tuple[nn.Module, A
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from annot.meta.tensor_attributes import map_tensor_attributes
+
     model = copy.deepcopy(model)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakes: dict[int, nn.Parameter] = {}
@@ -414,7 +418,36 @@ def fake_copy(model: nn.Module, dtype: torch.dtype | None) -> tuple[nn.Module, A
             for name, buf in list(module._buffers.items()):
                 if buf is not None:
                     module._buffers[name] = _fake_like(buf, dtype, is_param=False)
+    map_tensor_attributes(model, lambda _, t: _fake_attribute(t, fake_mode))
     return model, fake_mode
+
+
+def _fake_attribute(tensor: torch.Tensor, fake_mode: Any) -> torch.Tensor:
+    """A plain tensor attribute (QwenImage's rotary tables, docs/design.md pitfall 62)
+    as a fake tensor of ``fake_mode``, in its own dtype as ``model.to`` leaves it: a real
+    one with its values, one on the meta device (or another fake mode's) by its shape."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(tensor, FakeTensor) and tensor.fake_mode is fake_mode:
+        return tensor
+    if tensor.is_meta or isinstance(tensor, FakeTensor):
+        with fake_mode:
+            return _fake_like(tensor, None, is_param=False)
+    return fake_mode.from_tensor(tensor)
+
+
+@contextlib.contextmanager
+def _fake_tensor_attributes(model: nn.Module, fake_mode: Any) -> Iterator[None]:
+    """``model``'s plain tensor attributes fake (`_fake_attribute`) inside, as they were
+    after: a trace through ``functional_call`` swaps only parameters and buffers."""
+    from annot.meta.tensor_attributes import map_tensor_attributes, tensor_attributes
+
+    originals = tensor_attributes(model)
+    map_tensor_attributes(model, lambda _, t: _fake_attribute(t, fake_mode))
+    try:
+        yield
+    finally:
+        map_tensor_attributes(model, lambda name, t: originals.get(name, t))
 
 
 def _recompute_under_rules(dtype: torch.dtype) -> Callable[..., Any]:
@@ -459,8 +492,9 @@ def _tensor_attributes_kept(model: nn.Module) -> Iterator[None]:
     plain objects a module holds: Emu3's vocabulary mapping caches a tensor
     (``functools.cached_property``) built during the trace, and the next trace met that
     fake tensor from another fake mode ("Mixing fake modes", then a crash in the
-    interpreter's cleanup; issue #42's sweep). Any tensor attribute the call sets or
-    replaces is put back as it was (removed, or its old value)."""
+    interpreter's cleanup; issue #42's sweep; ZImage's and Bria-Fibo-2's rotary
+    embedders cache a list of tables). Any attribute holding tensors (`_holds_tensors`)
+    the call sets or replaces is put back as it was (removed, or its old value)."""
     holders: list[Any] = list(model.modules())
     for module in list(holders):
         holders += [value for value in vars(module).values() if _plain_object(value)]
@@ -470,18 +504,28 @@ def _tensor_attributes_kept(model: nn.Module) -> Iterator[None]:
     finally:
         for holder, attributes in before.values():
             for name, value in list(vars(holder).items()):
-                if isinstance(value, torch.Tensor) and attributes.get(name, None) is not value:
+                if _holds_tensors(value) and attributes.get(name, None) is not value:
                     if name in attributes:
                         holder.__dict__[name] = attributes[name]
                     else:
                         del holder.__dict__[name]
 
 
+def _holds_tensors(value: Any) -> bool:
+    """A tensor, or a list or tuple holding one (ZImage's rotary embedder caches a list of
+    tables on its first forward, a fake one under a trace)."""
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value))
+
+
 def _plain_object(value: Any) -> bool:
     """An instance of a class of its own (not a module, tensor, container or type) with
     attributes a forward may cache tensors in."""
+    # A callable instance counts (ZImage's rotary embedder is called, not a module);
+    # functions and methods do not.
     return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, torch.Tensor, type))
-            and not callable(value) and type(value).__module__ != "builtins")
+            and not inspect.isroutine(value) and not isinstance(value, functools.partial)
+            and type(value).__module__ != "builtins")
 
 
 @contextlib.contextmanager

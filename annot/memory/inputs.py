@@ -153,7 +153,8 @@ def _takes(model: nn.Module, name: str) -> bool:
 
 def _fed_by_builders(model: nn.Module) -> bool:
     """Whether ``model`` is a transformers model whose step `training_inputs` builds:
-    one that takes images, audio or decoder inputs, or a masked LM (masked labels)."""
+    one that takes images, audio or decoder inputs, a masked LM (masked labels), or an
+    image classifier (a label per sample; ImageGPT's takes its pixels as token ids)."""
     from annot.huggingface.model import is_pretrained_model
 
     if not is_pretrained_model(model):
@@ -161,7 +162,7 @@ def _fed_by_builders(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     return (any(_takes(model, name) for name in _MEDIA_ARGUMENTS)
             or bool(getattr(config, "is_encoder_decoder", False))
-            or type(model).__name__.endswith("ForMaskedLM"))
+            or type(model).__name__.endswith(("ForMaskedLM", "ForImageClassification")))
 
 
 def model_inputs(sizes: MediaSizes | None = None) -> InputsFn:

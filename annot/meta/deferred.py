@@ -35,6 +35,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from annot.meta.tensor_attributes import map_tensor_attributes
 from annot.module_state import module_state, peek_state
 from annot.policies.errors import AnnotError
 
@@ -122,6 +123,9 @@ class DeferredInit:
     # Recorded on the meta device (`meta_device_init`): library init skipped there is
     # missing from the tape.
     on_meta_device: bool = False
+    # Plain tensor attributes the constructor computed (`annot.meta.tensor_attributes`:
+    # name -> ref index): left on the meta device, filled whole by `materialize`.
+    attributes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def uninitialized(self) -> list[str]:
         """Names of parameters/buffers nothing ever wrote."""
@@ -571,6 +575,18 @@ def _to_meta(root: nn.Module, recorder: _Recorder, rng_state: torch.Tensor) -> N
                         meta = nn.Parameter(meta, requires_grad=t.requires_grad)
                     replacement[id(t)] = meta
                 holder[name] = replacement[id(t)]
+    attributes: dict[str, int] = {}
+
+    def attribute_to_meta(name: str, t: torch.Tensor) -> torch.Tensor:
+        index = recorder.index.get(id(t))
+        # Only what the record can compute; a real tensor from outside stays as it is.
+        if not (isinstance(t, FakeTensor) or t.is_meta) or index is None or id(t) in replacement \
+                or (index not in recorder.made and index not in recorder.constants):
+            return t
+        attributes[name] = index
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    map_tensor_attributes(root, attribute_to_meta)
     module_state(root).construction = DeferredInit(
         ops=recorder.ops,
         rng_state=rng_state,
@@ -581,4 +597,5 @@ def _to_meta(root: nn.Module, recorder: _Recorder, rng_state: torch.Tensor) -> N
         module_of=module_of,
         layout=recorder.layout,
         on_meta_device=recorder.on_meta_device,
+        attributes=attributes,
     )

@@ -34,6 +34,7 @@ from annot.meta.deferred import (
     map_leaves,
 )
 from annot.meta.layout import WHOLE, FlatPart, ShardLayout, dtensor_block, local
+from annot.meta.tensor_attributes import map_tensor_attributes, tensor_attributes
 from annot.module_state import module_state, peek_state
 
 __all__ = ["ReplayStats", "materialize", "replay_stats"]
@@ -93,14 +94,36 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     # A tied name skipped means its twin is filled from the checkpoint too.
     fill = {n: t for n, t in targets.items()
             if record.group_of[record.tensors[n]] not in skipped_groups and n not in keep}
-    stats = _replay(record, refs, fill, progress, skipped_groups, layout.parts)
+    attributes = _attribute_targets(model, record, layout, device or sharded_device(model) or "cpu")
+    stats = _replay(record, refs, {**fill, **attributes}, progress, skipped_groups, layout.parts)
     module_state(model).replay_stats = stats
     record.pending = False
     leftover = [n for n, t in _targets(model, record).items() if local(t).is_meta]
+    leftover += [n for n, t in tensor_attributes(model).items() if layout.clean(n) in record.attributes and t.is_meta]
     if leftover:
         named = [f"{n} ({_module_named(model, record.module_of[n])})" for n in leftover]
         raise DeferredInitError(f"still on the meta device after materializing: {', '.join(named)}")
     return model
+
+
+def _attribute_targets(model: nn.Module, record: DeferredInit, layout: ShardLayout,
+                       device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Recorded plain tensor attributes (`annot.meta.tensor_attributes`) still on the
+    meta device, each replaced in its module by an empty whole tensor on ``device``:
+    the replay's targets by recorded name. Every rank computes them whole, as eager
+    construction does; no engine shards them."""
+    made: dict[str, torch.Tensor] = {}
+
+    def allocate(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        recorded = layout.clean(name)
+        if recorded not in record.attributes or not tensor.is_meta:
+            return tensor
+        made[recorded] = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+        return made[recorded]
+
+    if record.attributes:
+        map_tensor_attributes(model, allocate)
+    return made
 
 
 def _to_empty(model: nn.Module, device: torch.device | str) -> None:
@@ -322,8 +345,9 @@ def _replay(record: DeferredInit, refs: list[_OpRefs], targets: dict[str, torch.
             skipped: set[int] | None = None,
             flat_parts: Mapping[int, list[FlatPart]] | None = None) -> ReplayStats:
     schedule = _Schedule(record, refs)
+    named = {**record.tensors, **record.attributes}
     names_by_group: dict[int, list[str]] = defaultdict(list)
-    for name, ref in record.tensors.items():
+    for name, ref in named.items():
         names_by_group[record.group_of[ref]].append(name)
     release_at: dict[int, list[int]] = defaultdict(list)
     for group, i in schedule.last_use.items():
@@ -395,7 +419,7 @@ def _replay(record: DeferredInit, refs: list[_OpRefs], targets: dict[str, torch.
                         target = targets.get(name)
                         if target is None:  # kept (mapped): only computed, for what reads it
                             continue
-                        _fill(target, resolve(Ref(record.tensors[name])),
+                        _fill(target, resolve(Ref(named[name])),
                               (flat_parts or {}).get(id(target)))
                     for index in refs_of.pop(group, ()):
                         env.pop(index, None)

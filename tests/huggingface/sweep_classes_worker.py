@@ -13,7 +13,8 @@ inputs builder gives one), and takes the reference: the library's own
 ``from_pretrained`` (the mapping's class; the diffusers class), training mode, one step
 per rank's batch, the mean loss and mean gradients (what data parallelism computes: a
 parameter a batch gives no gradient counts zero in that batch's term) and the trainable
-names. Then ``annot plan DIR`` and ``annot plan DIR --memory --seq S`` in that process
+names (a model with batch norm: all in float64, `DOUBLE_REASON`). Then ``annot plan DIR``
+and ``annot plan DIR --memory --seq S --batch B`` (B: each rank's batch) in that process
 (DIR: the model folder, or the pipeline folder). A case that cannot get this far ends
 there: skipped where the library itself fails or the inputs builder refuses (the
 probes' classification), failing where annot's inputs builder crashes or the library's
@@ -125,11 +126,20 @@ def reference_step(load: Callable[[], torch.nn.Module], loss_of: Callable[[torch
                    batch: Batch) -> Step:
     """One step of a freshly loaded model in training mode on ``batch``: the loss, every
     gradient by name, the trainable names. Raises what the step raises, and
-    FloatingPointError on a non-finite loss."""
+    FloatingPointError on a non-finite loss. On one thread, as the workers compute
+    (`sweep_worker.serve`): a convolution's sums are ordered by the thread count, and a
+    batch norm over a two-image batch magnifies the difference (plain transformers
+    alone, from one thread to two: HGNet-V2's loss 2.6% apart, ResNet's stem gradient
+    0.08)."""
     model = load().train()
-    torch.manual_seed(STEP_SEED)
-    loss = loss_of(model, batch)
-    loss.backward()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(STEP_SEED)
+        loss = loss_of(model, batch)
+        loss.backward()
+    finally:
+        torch.set_num_threads(threads)
     if not torch.isfinite(loss.detach()).all():
         raise FloatingPointError(f"a non-finite loss {loss.item()}")
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -221,13 +231,30 @@ def _hf_prepare(kind: str, arch: str, directory: Path) -> Row:
     lost = _lost_in_round_trip(cls, directory)
     if lost:
         return {**row, "outcome": "skipped", "reason": f"transformers fails to load its own save: {lost}"}
-    refs = _references(lambda: cls.from_pretrained(directory), hf_loss, batches)
+    options: dict[str, Any] = {}
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        row["dtype"], options = "float64", {"dtype": torch.float64}
+        batches = {label: [_in_double(b) for b in scenario] for label, scenario in batches.items()}
+    refs = _references(lambda: cls.from_pretrained(directory, **options), hf_loss, batches)
     if isinstance(refs, Skipped):
         return {**row, "outcome": "skipped", "reason": str(refs)}
     if isinstance(refs, BaseException):
         return failure_row(row, kind, arch, "the reference step", refs)
     _save(directory, batches, refs)
     return row
+
+
+def _in_double(batch: Batch) -> Batch:
+    """``batch`` with its floating tensors in float64 (`DOUBLE_REASON`)."""
+    return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+#: Why a model with batch norm is compared in float64: trained on two images a rank it
+#: magnifies float32 rounding by up to 1e9 (gradients of 2e9 in HGNet-V2), and plain
+#: transformers alone moved MobileNet-V2's stem gradient by 0.23 when its parameters
+#: only moved in memory (as FSDP2's gathered ones are, views into one flat buffer), by
+#: 0.08 in ResNet from one thread to two: in float32 the reference is not a reference.
+DOUBLE_REASON = "batch norm over a two-image batch magnifies float32 rounding past any bound"
 
 
 def _lost_in_round_trip(cls: type, directory: Path) -> str:
@@ -292,7 +319,8 @@ def _diffusers_prepare(name: str, directory: Path) -> Row:
                 "reason": f"diffusers fails to build, save or load it: {_first_line(error)} at {_where(error)}"}
     row["params"] = sum(p.numel() for p in model.parameters())
     try:
-        batches = {"fsdp2": [denoiser_inputs(model, batch=batch_size(model),
+        row["batch"] = batch_size(model)
+        batches = {"fsdp2": [denoiser_inputs(model, batch=row["batch"],
                                              generator=torch.Generator().manual_seed(BATCH_SEED + rank))
                              for rank in range(2)]}
     except ValueError as error:  # the builder's refusal of a class it does not serve
@@ -329,7 +357,9 @@ def prepare(case: str, directory: Path) -> Row:
         return row
     target = model_folder(directory, kind)
     seq = str(row.get("seq", PLAN_SEQ_DIFFUSERS))
-    for key, extra in (("plan", ()), ("plan_memory", ("--memory", "--seq", seq))):
+    # --batch as each rank trains: a batch norm cannot train on one sample (ResNet, ...)
+    batch = str(row.get("batch", ROWS_PER_RANK))
+    for key, extra in (("plan", ()), ("plan_memory", ("--memory", "--seq", seq, "--batch", batch))):
         with time_limit(PLAN_TIMEOUT_S):  # its TimeoutError is the command's crash (plan_command)
             row[key] = plan_command(target, *extra)
     return row
@@ -361,10 +391,11 @@ def run_case(prepared: Row, directory: Path) -> Row:
     refs = torch.load(directory / REFERENCE, weights_only=False)
     rank, loss_of, target = dist.get_rank(), loss_function(kind), model_folder(directory, kind)
     labels = [label for label in SCENARIOS if _SAME_BATCHES.get(label, label) in batches]
+    dtype = {"torch_dtype": torch.float64} if row.get("dtype") == "float64" else {}  # DOUBLE_REASON
     for label in labels:
         source = _SAME_BATCHES.get(label, label)
         row[label] = run_scenario(
-            lambda options=SCENARIOS[label], source=source: compare_whole(
+            lambda options={**SCENARIOS[label], **dtype}, source=source: compare_whole(
                 refs[source], annot_step(target, loss_of, batches[source][rank], **options)),
             row.get("moe", False))
     row["scenarios"] = labels

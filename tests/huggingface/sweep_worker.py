@@ -294,6 +294,8 @@ def classify(row: dict[str, Any], labels: Iterable[str] = tuple(SCENARIOS)) -> t
     """pass, refused (an annot error, with its reason) or failing (a crash, a silent
     difference, or a plan command that did not exit 0 on a model that trains), from the
     row's scenarios ``labels`` (each a `run_scenario` result) and its plan commands."""
+    from annot.cli.main import CANNOT_TRACE_VALUES
+
     runs = [row[label] for label in labels]
     for run in runs:
         if "crash" in run:
@@ -304,6 +306,9 @@ def classify(row: dict[str, Any], labels: Iterable[str] = tuple(SCENARIOS)) -> t
     if refused:
         return "refused", refused[0]["refused"]
     for key, command in (("plan", "annot plan DIR"), ("plan_memory", "annot plan DIR --memory")):
+        if row[key]["rc"] == 2 and CANNOT_TRACE_VALUES in row[key]["stderr"]:
+            # the planner's refusal by name: the forward reads values a trace of shapes lacks
+            return "refused", f"{command}: {row[key]['stderr'].strip().splitlines()[-1][:300]}"
         if row[key]["rc"] != 0:
             last = (row[key]["stderr"].strip().splitlines() or [""])[-1]
             return "failing", f"{command} exited {row[key]['rc']}: {last[:300]}"

@@ -20,3 +20,17 @@ def test_memory_trace_defaults_to_the_models_position_limit(capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "seq 32 per GPU" in out
+
+
+def test_an_image_classifier_taking_token_ids_is_traced_with_one_label_per_sample(capsys, tmp_path):
+    """ImageGPT's classifier takes its pixels as token ids: it was traced as a language
+    model, with a label per token ("Expected input batch_size (2) to match target
+    batch_size (128)"); the class sweep's case."""
+    import transformers
+
+    config = transformers.ImageGPTConfig(vocab_size=17, n_positions=64, n_embd=16, n_layer=2, n_head=2,
+                                         num_labels=3)
+    transformers.ImageGPTForImageClassification(config).save_pretrained(tmp_path)
+    code = annot_main(["plan", str(tmp_path), "--memory", "--batch", "2", "--seq", "64"])
+    _, err = capsys.readouterr()
+    assert code == 0, err

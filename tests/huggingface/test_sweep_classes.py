@@ -130,6 +130,21 @@ def test_the_mixed_scenario_decides_the_row_where_it_ran():
     assert classify(row, ("fsdp2", "fsdp2_checkpoint", "mixed")) == ("failing", "crash: KeyError: 'x' at f.py:1")
 
 
+def test_the_planners_refusal_of_a_value_reading_model_is_a_refusal_and_other_exits_fail():
+    """`annot plan --memory` names what it cannot trace (a forward reading a tensor's
+    value); any other failed plan command still fails the row."""
+    from annot.cli.main import CANNOT_TRACE_VALUES
+
+    said = f"annot plan: error: IBertForMaskedLM.forward reads a tensor's value (...), {CANNOT_TRACE_VALUES}: ...\n"
+    row = {"plan": {"rc": 0, "stderr": ""}, "plan_memory": {"rc": 2, "stderr": said}, "fsdp2": PASSED}
+    outcome, reason = classify(row, ("fsdp2",))
+    assert outcome == "refused" and reason.startswith("annot plan DIR --memory: annot plan: error: IBert")
+    row["plan_memory"] = {"rc": 2, "stderr": "annot plan: error: tracing X.forward for --memory failed: boom\n"}
+    assert classify(row, ("fsdp2",))[0] == "failing"
+    row["fsdp2"] = {"crash": "KeyError at f.py:1"}  # a crash in training outranks the planner's refusal
+    assert classify(row, ("fsdp2",))[0] == "failing"
+
+
 def _rows() -> dict[str, dict[str, Any]]:
     rows = [("image_text/llava", "pass", ""), ("image_text/qwen2_vl", "pass", ""),
             ("image_text/llama4", "skipped", "transformers fails a training step: reads image_outputs"),

@@ -329,3 +329,33 @@ def test_a_trace_leaves_no_tensor_cached_on_a_helper_object():
     assert "lookup" not in vars(model.vocabulary)
     # the second trace met the first one's fake tensor: "Mixing fake modes"
     assert trace_activations(model, None, batch=1, seq=4) == first
+
+
+class _Rotary:
+    """A callable plain object that caches a list of tables on its first call, as
+    ZImage's and Bria-Fibo-2's rotary embedders do (not modules: the model calls them)."""
+
+    def __init__(self) -> None:
+        self.tables = None
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tables is None:
+            self.tables = [torch.arange(11.0), torch.ones(11)]
+        return self.tables[0][ids] * self.tables[1][ids]
+
+
+class _CachesAListOnACallable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.rotary = _Rotary()
+
+    def forward(self, input_ids=None):
+        return (self.embed(input_ids) * self.rotary(input_ids)[..., None]).square().mean()
+
+
+def test_a_trace_leaves_no_list_of_tensors_cached_on_a_callable_helper():
+    model = _CachesAListOnACallable()
+    first = trace_activations(model, None, batch=1, seq=4)
+    assert model.rotary.tables is None
+    assert trace_activations(model, None, batch=1, seq=4) == first  # "Mixing fake modes" before
