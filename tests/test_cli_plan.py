@@ -290,18 +290,22 @@ def test_memory_cp_sizes_that_are_not_integers_are_refused(capsys):
     assert "--cp '2,x': give sizes as integers" in err
 
 
-_FP32_GATE = (
-    "import torch\nfrom torch import nn\nimport annot\n\n"
-    "@annot.shard_block\nclass Block(nn.Linear):\n    pass\n\n"
-    "class Fp32Gate(nn.Module):\n"
-    "    # Multiplies its (parameter-dtype) hidden states by an fp32 tensor it makes, as\n"
-    "    # xLSTM's chunked kernel does: torch refuses it with 16-bit parameters.\n"
-    "    def __init__(self):\n"
-    "        super().__init__()\n"
-    "        self.embed, self.block = nn.Embedding(11, 8), Block(8, 8)\n\n"
-    "    def forward(self, input_ids=None):\n"
-    "        h = self.block(self.embed(input_ids))\n"
-    "        return (h[None] @ torch.ones(1, 1, 8, 8, dtype=torch.float32)).float().sum()\n")
+def _fp32_model(name: str, why: str, tail: str) -> str:
+    """The source of a model whose forward mixes its (parameter-dtype) hidden states
+    ``h`` with an fp32 tensor it makes, in ``tail``."""
+    return ("import torch\nfrom torch import nn\nimport annot\n\n"
+            "@annot.shard_block\nclass Block(nn.Linear):\n    pass\n\n"
+            f"class {name}(nn.Module):\n    # {why}\n"
+            "    def __init__(self):\n"
+            "        super().__init__()\n"
+            "        self.embed, self.block = nn.Embedding(11, 8), Block(8, 8)\n\n"
+            "    def forward(self, input_ids=None):\n"
+            "        h = self.block(self.embed(input_ids))\n" + tail)
+
+
+# As xLSTM's chunked kernel: torch refuses it with 16-bit parameters, runs it under autocast.
+_FP32_GATE = _fp32_model("Fp32Gate", "multiplies by an fp32 tensor",
+                         "        return (h[None] @ torch.ones(1, 1, 8, 8, dtype=torch.float32)).float().sum()\n")
 
 
 def test_plan_memory_plans_a_model_that_fails_in_16_bit_with_amp_and_says_so(capsys, tmp_path):
@@ -324,19 +328,11 @@ def test_plan_memory_refuses_a_16_bit_precision_the_model_fails_with_when_it_is_
     assert "--precision bf16-mixed traces the forward with 16-bit parameters" in err
 
 
-_FP32_BUFFER = (
-    "import torch\nfrom torch import nn\nimport annot\n\n"
-    "@annot.shard_block\nclass Block(nn.Linear):\n    pass\n\n"
-    "class Fp32Buffer(nn.Module):\n"
-    "    # Copies its layer's output into an fp32 buffer it makes, as Cosmos-3-Omni's\n"
-    "    # scatter does: fails with 16-bit parameters and under bf16 autocast alike.\n"
-    "    def __init__(self):\n"
-    "        super().__init__()\n"
-    "        self.embed, self.block = nn.Embedding(11, 8), Block(8, 8)\n\n"
-    "    def forward(self, input_ids=None):\n"
-    "        h = self.block(self.embed(input_ids)).reshape(-1, 8)\n"
-    "        out = torch.zeros(h.shape, dtype=torch.float32)\n"
-    "        return out.scatter(0, torch.zeros(h.shape, dtype=torch.long), h).sum()\n")
+# As Cosmos-3-Omni's scatter: fails with 16-bit parameters and under bf16 autocast alike.
+_FP32_BUFFER = _fp32_model("Fp32Buffer", "copies into an fp32 buffer",
+                           "        h = h.reshape(-1, 8)\n"
+                           "        out = torch.zeros(h.shape, dtype=torch.float32)\n"
+                           "        return out.scatter(0, torch.zeros(h.shape, dtype=torch.long), h).sum()\n")
 
 
 def test_plan_memory_plans_a_model_that_fails_under_autocast_too_in_fp32_and_says_so(capsys, tmp_path):
