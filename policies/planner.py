@@ -117,12 +117,13 @@ def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
             "the plan would do nothing. Check the rule against the module tree "
             "(print(model)) or mark the block class with @annot.shard_block."
         )
+    roles = module_roles(model)
     if lenient and _is_huggingface(model):
         units, note = _no_checkpoint_of_cache_writers(index, units)
         warnings += note
-        units, note = _input_embeddings_with_the_root(model, index, units)
-        warnings += note
-    roles = module_roles(model)
+        if any(role in TOWERS for role in roles.values()):
+            units, note = _input_embeddings_with_the_root(model, index, units)
+            warnings += note
     if policy.towers is not None:
         units = _tower_units(index, units, roles, policy.towers)
     units = _order_bottom_up(index, units)
@@ -211,13 +212,14 @@ def _no_checkpoint_of_cache_writers(index: ModelIndex, units: list[Unit]) -> tup
 
 def _input_embeddings_with_the_root(model: nn.Module, index: ModelIndex, units: list[Unit]
                                     ) -> tuple[list[Unit], list[str]]:
-    """The default policy does not shard apart the module that holds the model's input
-    embeddings (``get_input_embeddings()``) when that module is a unit of its own
-    (ModernVBERT's ``ModernBertEmbeddings``, from ``_no_split_modules``): multimodal
-    models embed their text by calling ``get_input_embeddings()`` outside that unit's
-    forward, before it runs, and an engine that reduces a unit's gradients after its
-    backward had reduced before the embedding's gradient arrived (docs/design.md,
-    pitfall 61). The root holds it, as it holds most models' embeddings."""
+    """The default policy does not shard apart the module that holds a multimodal
+    model's input embeddings (``get_input_embeddings()``) when that module is a unit of
+    its own (ModernVBERT's ``ModernBertEmbeddings``, from ``_no_split_modules``):
+    multimodal models embed their text by calling ``get_input_embeddings()`` outside
+    that unit's forward, before it runs (a text model, BERT, embeds inside it), and an
+    engine that reduces a unit's gradients after its backward had reduced before the
+    embedding's gradient arrived (docs/design.md, pitfall 61). The root holds it, as it
+    holds most models' embeddings."""
     getter = getattr(model, "get_input_embeddings", None)
     try:
         embeddings = getter() if callable(getter) else None

@@ -414,7 +414,10 @@ def gather_on_outside_calls(modules: list[nn.Module]) -> None:
         def gather(part: nn.Module, _: Any) -> None:
             # Gathered, FSDP2 registers plain tensors: the check costs far less than
             # the no-op ``unshard`` (22 us a call here), run for every part each forward.
-            if isinstance(part._parameters[name], DTensor):
+            param = part._parameters.get(name)
+            if param is None:  # moved since (PEFT's target_parameters parametrizes it)
+                owner.unshard()  # nothing to tell by: gathers if sharded, else nothing
+            elif isinstance(param, DTensor):
                 owner.unshard()
                 outside.add(part)
         return gather
