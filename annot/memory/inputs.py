@@ -153,8 +153,10 @@ def _takes(model: nn.Module, name: str) -> bool:
 
 def _fed_by_builders(model: nn.Module) -> bool:
     """Whether ``model`` is a transformers model whose step `training_inputs` builds:
-    one that takes images, audio or decoder inputs, a masked LM (masked labels), or an
-    image classifier (a label per sample; ImageGPT's takes its pixels as token ids)."""
+    one that takes images, audio or decoder inputs, a masked LM (masked labels), an
+    image classifier (a label per sample; ImageGPT's takes its pixels as token ids), or
+    a conditional-generation class (Kyutai's speech-to-text takes its audio as token ids
+    of one more axis, a codebook each)."""
     from annot.huggingface.model import is_pretrained_model
 
     if not is_pretrained_model(model):
@@ -162,7 +164,8 @@ def _fed_by_builders(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     return (any(_takes(model, name) for name in _MEDIA_ARGUMENTS)
             or bool(getattr(config, "is_encoder_decoder", False))
-            or type(model).__name__.endswith(("ForMaskedLM", "ForImageClassification")))
+            or type(model).__name__.endswith(("ForMaskedLM", "ForImageClassification",
+                                              "ForConditionalGeneration")))
 
 
 def model_inputs(sizes: MediaSizes | None = None) -> InputsFn:

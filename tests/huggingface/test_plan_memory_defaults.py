@@ -22,15 +22,18 @@ def test_memory_trace_defaults_to_the_models_position_limit(capsys):
     assert "seq 32 per GPU" in out
 
 
-def test_an_image_classifier_taking_token_ids_is_traced_with_one_label_per_sample(capsys, tmp_path):
-    """ImageGPT's classifier takes its pixels as token ids: it was traced as a language
-    model, with a label per token ("Expected input batch_size (2) to match target
-    batch_size (128)"); the class sweep's case."""
-    import transformers
+@pytest.mark.parametrize("case", ["image_classification/imagegpt",
+                                  # 5 s here: the sweep lane's, beside the class sweep that found it
+                                  pytest.param("speech_seq2seq/kyutai_speech_to_text", marks=pytest.mark.sweep)])
+def test_models_taking_other_token_ids_are_traced_on_their_own_batch(capsys, tmp_path, case):
+    """ImageGPT's classifier takes its pixels as token ids, Kyutai's speech-to-text its
+    audio as token ids with a codebook axis: both were traced as language models ("Expected
+    input batch_size (2) to match target batch_size (128)"; "Attempting to broadcast a
+    dimension of length 5"), the class sweep's cases."""
+    from tests.huggingface.probe_classes import architectures, tiny_model
 
-    config = transformers.ImageGPTConfig(vocab_size=17, n_positions=64, n_embd=16, n_layer=2, n_head=2,
-                                         num_labels=3)
-    transformers.ImageGPTForImageClassification(config).save_pretrained(tmp_path)
+    kind, arch = case.split("/")
+    tiny_model(kind, arch, architectures(kind)[arch], tmp_path)
     code = annot_main(["plan", str(tmp_path), "--memory", "--batch", "2", "--seq", "64"])
     _, err = capsys.readouterr()
     assert code == 0, err
