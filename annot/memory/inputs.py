@@ -116,7 +116,12 @@ class MediaSizes:
             return (f"traced on a flow-matching step of {batch} noisy latent(s) of "
                     f"{self.latent_size or 'the default'} px a side{video} and "
                     f"{self.text_tokens or 'the default number of'} prompt tokens")
-        if not _fed_by_builders(model):
+        built: dict[str, Any] | None
+        try:
+            built = _built_inputs(model, batch, seq, self)
+        except ValueError:  # said where the trace fails
+            built = {}
+        if built is None:
             return ""  # token ids: the table's header says batch and seq
         parts = [f"{batch} sample(s) of {seq} tokens"]
         if _takes(model, "pixel_values"):
@@ -153,10 +158,8 @@ def _takes(model: nn.Module, name: str) -> bool:
 
 def _fed_by_builders(model: nn.Module) -> bool:
     """Whether ``model`` is a transformers model whose step `training_inputs` builds:
-    one that takes images, audio or decoder inputs, a masked LM (masked labels), an
-    image classifier (a label per sample; ImageGPT's takes its pixels as token ids), or
-    a conditional-generation class (Kyutai's speech-to-text takes its audio as token ids
-    of one more axis, a codebook each)."""
+    one that takes images, audio or decoder inputs, a masked LM (masked labels), or an
+    image classifier (a label per sample; ImageGPT's takes its pixels as token ids)."""
     from annot.huggingface.model import is_pretrained_model
 
     if not is_pretrained_model(model):
@@ -164,8 +167,30 @@ def _fed_by_builders(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     return (any(_takes(model, name) for name in _MEDIA_ARGUMENTS)
             or bool(getattr(config, "is_encoder_decoder", False))
-            or type(model).__name__.endswith(("ForMaskedLM", "ForImageClassification",
-                                              "ForConditionalGeneration")))
+            or type(model).__name__.endswith(("ForMaskedLM", "ForImageClassification")))
+
+
+def _built_inputs(model: nn.Module, batch: int, seq: int, sizes: MediaSizes) -> dict[str, Any] | None:
+    """`training_inputs`' batch for a model the builders feed (`_fed_by_builders`), or for
+    a conditional-generation class where they serve it (Kyutai's speech-to-text takes its
+    audio as token ids of one more axis, a codebook each); ``None``: token ids do. A
+    multimodal class built without its tower (the causal-LM sweep's Gemma 4 from a text
+    config) takes text only; one with a tower the builders cannot serve is refused
+    (`ExampleInputsError`), never traced on text alone."""
+    from annot.huggingface.example_inputs import ExampleInputsError, training_inputs
+    from annot.huggingface.model import is_pretrained_model
+    from annot.policies.roles import TOWERS, module_roles
+
+    if not (_fed_by_builders(model) or (is_pretrained_model(model)
+                                        and type(model).__name__.endswith("ForConditionalGeneration"))):
+        return None
+    try:
+        return training_inputs(model, batch=batch, seq=seq, image_size=sizes.image_size,
+                               images_per_sample=sizes.images, audio_frames=sizes.audio_frames)
+    except ExampleInputsError:
+        if any(role in TOWERS for role in module_roles(model).values()):
+            raise
+        return None
 
 
 def model_inputs(sizes: MediaSizes | None = None) -> InputsFn:
@@ -183,12 +208,8 @@ def model_inputs(sizes: MediaSizes | None = None) -> InputsFn:
             kwargs, target = denoiser_inputs(model, batch=batch, latent_size=sizes.latent_size,
                                              frames=sizes.frames, text_tokens=sizes.text_tokens)
             return (), kwargs, lambda output: prediction_loss(model, output, target)
-        if _fed_by_builders(model):
-            from annot.huggingface.example_inputs import training_inputs
-
-            return (), training_inputs(model, batch=batch, seq=seq, image_size=sizes.image_size,
-                                       images_per_sample=sizes.images, audio_frames=sizes.audio_frames)
-        return default_inputs(model, batch, seq)
+        built = _built_inputs(model, batch, seq, sizes)
+        return ((), built) if built is not None else default_inputs(model, batch, seq)
 
     return inputs
 
