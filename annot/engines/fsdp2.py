@@ -405,8 +405,9 @@ def gather_on_outside_calls(modules: list[nn.Module]) -> None:
     reduces their gradients (the outside call's included) and reshards them, or until
     the root's final post-backward callback does for a unit whose forward did not run;
     every rank makes the same calls, so the gathers pair. A part called before the
-    unit's forward has its backward after the unit's post-backward, when its parameters
-    are resharded: that fails in backward (design pitfall 61)."""
+    unit's forward has its backward after the unit's post-backward, which has reduced
+    the unit's gradients: a hook on its output raises then (`_refuse_late_gradient`,
+    design pitfall 61) rather than lose its gradient."""
     owner = cast(FSDPModule, modules[0])
     outside: set[nn.Module] = set()  # parts called outside the unit's forward, until they return
 

@@ -219,9 +219,7 @@ class ModalityStandIns:
                            "stand-in features at weight zero: give every rank's batch the same modalities")
 
     def _bound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The forward's arguments by name (positional ones named)."""
-        names = [n for n in self.forward_parameters if n not in kwargs]
-        return {**dict(zip(names, args, strict=False)), **kwargs}
+        return _bound(self.forward_parameters, args, kwargs)
 
     def _refuse_if_unable(self, modality: _Modality, has: list[bool]) -> None:
         if self.ordered_gathers and not self.takes_encoder_outputs:
@@ -283,9 +281,7 @@ def install_stand_ins(model: nn.Module, *, ordered_gathers: bool
         # (`annot.engines.fsdp2.ENTRY_METHODS`) as a wrapper whose signature, bound,
         # lost the first argument (Nemotron-H-Omni's pixel_values).
         function = getattr(type(host), f"get_{name}_features", None)
-        parameters = tuple(n for n, p in list(inspect.signature(function).parameters.items())[1:]
-                           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) \
-            if callable(function) else ()
+        parameters = tuple(_parameters(function)[1:]) if callable(function) else ()  # [1:]: self
         if parameters:
             modalities.append(_Modality(name, method, parameters[0], parameters))
     if not modalities:
@@ -348,8 +344,7 @@ class CrossAttentionStandIn:
         self.active = False
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
             return None
-        names = [n for n in self.forward_parameters if n not in kwargs]
-        bound = {**dict(zip(names, args, strict=False)), **kwargs}
+        bound = _bound(self.forward_parameters, args, kwargs)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, bound.get("pixel_values") is not None)
         if all(everyone) or not any(everyone):
@@ -429,8 +424,7 @@ def _refusing(model: nn.Module) -> Callable[..., None]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
             return
-        positional = [n for n in forward_parameters if n not in kwargs]
-        bound = {**dict(zip(positional, args, strict=False)), **kwargs}
+        bound = _bound(forward_parameters, args, kwargs)
         present = tuple(bound.get(n) is not None for n in names)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, present)
@@ -444,6 +438,13 @@ def _refusing(model: nn.Module) -> Callable[..., None]:
                     "hangs the others): give every rank's batch the same modalities")
 
     return hook
+
+
+def _bound(names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A forward's arguments by name (positional ones named by ``names``, the forward's
+    parameters)."""
+    positional = [n for n in names if n not in kwargs]
+    return {**dict(zip(positional, args, strict=False)), **kwargs}
 
 
 def _class_name(model: nn.Module) -> str:
