@@ -486,7 +486,15 @@ _COUNT_WITHOUT_VALUES: dict[str, Callable[[_Maker, int], int]] = {
     # Step 3.7: two padded stride-2 convolutions after the tower.
     "step3p7": lambda m, size: _halved(_halved(size // _patch(m))) ** 2,
     **dict.fromkeys(("llava_next", "llava_next_video", "llava_onevision", "granite4_vision"), _anyres_count),
+    # BLIP-2's Q-Former: its query tokens, whatever the image (its attention mask reads
+    # a value, so it cannot run fake); InstructBLIP-Video: those of each frame.
+    **dict.fromkeys(("blip-2", "instructblip"), lambda m, size: _query_tokens(m)),
+    "instructblipvideo": lambda m, size: _QFORMER_FRAMES * _query_tokens(m),
 }
+
+
+def _query_tokens(maker: _Maker) -> int:
+    return int(maker.need("query tokens", "num_query_tokens"))
 
 
 def _features_of(out: Any) -> Any:
@@ -712,24 +720,24 @@ def _qformer_images(maker: _Maker, request: _Request, rows: int) -> _Media:
         ids = maker.text(n, _QFORMER_TEXT, maker.vocab(maker.sub("qformer_config")))
         return {"pixel_values": _square(maker, request, n), "qformer_input_ids": maker.ints(ids),
                 "qformer_attention_mask": maker.ones(n, _QFORMER_TEXT)}
-    per = _count(maker, "get_image_features", images(1))
+    per = _count(maker, "get_image_features", images(1), _image_size(maker, request))
     return _Media(images(rows * request.images), *_tokens(maker, per))
 
 
 _QFORMER_TEXT = 8  # tokens of each image's Q-Former instruction
+_QFORMER_FRAMES = 4  # frames of each InstructBLIP-Video clip (the model takes 4)
 
 
 def _qformer_video(maker: _Maker, request: _Request, rows: int) -> _Media:
     """InstructBLIP-Video: each item a clip ``(frames, C, S, S)`` (the model takes 4
     frames) with its Q-Former instruction; video tokens, counted from one run."""
-    frames = 4
+    size = _image_size(maker, request)
 
     def clips(n: int) -> dict[str, torch.Tensor]:
-        size = _image_size(maker, request)
         ids = maker.text(n, _QFORMER_TEXT, maker.vocab(maker.sub("qformer_config")))
-        return {"pixel_values": maker.floats(n, frames, _channels(maker), size, size),
+        return {"pixel_values": maker.floats(n, _QFORMER_FRAMES, _channels(maker), size, size),
                 "qformer_input_ids": maker.ints(ids), "qformer_attention_mask": maker.ones(n, _QFORMER_TEXT)}
-    per = _count(maker, "get_video_features", clips(1))
+    per = _count(maker, "get_video_features", clips(1), size)
     token = int(maker.need("video token id", "video_token_index", "video_token_id"))
     return _Media(clips(rows * request.images), *_tokens(maker, per, None, None, token=token))
 

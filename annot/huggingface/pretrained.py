@@ -101,7 +101,10 @@ def from_pretrained(
     ``engine=None`` returns the bare model, loaded and in eval mode like transformers'
     ``from_pretrained`` (no process group needed). With an engine the model is in training
     mode, as `auto_wrap` returns it. Raises `PretrainedPathError` when ``path`` is not a
-    local directory with a ``config.json``.
+    local directory with a ``config.json``. Training mode means every module: a part its
+    constructor put in eval mode (Emu3's VQ tokenizer) is set to training mode too, as
+    transformers' ``from_pretrained`` followed by the ``model.train()`` every trainer
+    calls leaves it, so a step equals that one.
     """
     from annot.formats.choice import checkpoint_source
     from annot.wrap import auto_wrap
@@ -121,7 +124,7 @@ def from_pretrained(
 
         load_logged(model, source.path, None, mmap=mmap, format=source.format)
         return model.eval()
-    return auto_wrap(model, engine, load_from=source, mmap=mmap, **auto_wrap_options)
+    return auto_wrap(model.train(), engine, load_from=source, mmap=mmap, **auto_wrap_options)
 
 
 def _freeze(model: nn.Module, parts: Sequence[str] | str) -> None:

@@ -93,8 +93,14 @@ _UNINITIALIZED = {aten.empty.memory_format, aten.empty_strided.default, aten.emp
 
 
 def reads_values(exc: BaseException) -> bool:
-    """Whether ``exc`` is torch's refusal to read a fake tensor's value."""
-    return type(exc).__name__ in _DATA_DEPENDENT
+    """Whether ``exc`` is torch's refusal to read a fake tensor's value: through an
+    operation, or by C++ reading its memory outside any operation (UDOP turns a tensor
+    into indices with ``zip(*ind)``: "its data is not allocated yet")."""
+    return type(exc).__name__ in _DATA_DEPENDENT or (
+        isinstance(exc, RuntimeError) and _UNALLOCATED_READ in str(exc))
+
+
+_UNALLOCATED_READ = "but its data is not allocated yet"
 
 
 class ValueShadows(TorchDispatchMode):

@@ -215,6 +215,8 @@ class _Recorder(TorchDispatchMode):
         if kwargs:
             kwargs = map_leaves(functools.partial(self._on_build_device, named), kwargs)
         args = map_leaves(functools.partial(self._on_build_device, named), args)
+        if func is _READ_SCALAR:
+            return self._read_scalar(func, args)
         out = func(*args, **kwargs)
         # Inputs before outputs: an in-place operation returns its input, which must
         # have been made before (`_input`).
@@ -229,6 +231,29 @@ class _Recorder(TorchDispatchMode):
         self.ops.append(op)
         self._note_writes(func, args, op)
         return out
+
+    def _read_scalar(self, func: Any, args: tuple[Any, ...]) -> Any:
+        """``.item()`` (and ``int()``, ``bool()``, ``tolist()``) of a tensor: fake and meta
+        tensors hold no value, so a value the tape can compute from constants and
+        factories alone is computed (`annot.meta.value_reads`); any other read fails as
+        it would have. Nothing is recorded: the read makes no tensor."""
+        try:
+            return func(*args)
+        except Exception as exc:
+            # Imported here: value_reads builds on this module's types.
+            from annot.meta.value_reads import VALUE_READ_LIMIT, value_of
+
+            i = self.index.get(id(args[0]))
+            with _disable_current_modes():  # real tensors, outside the fake mode
+                value = (None if i is None else
+                         value_of(i, self.ops, self.constants, self.group_of, self.layout))
+                if value is not None:
+                    return value.item()
+            raise DeferredInitError(
+                "the constructor reads a tensor's value (.item(), int(), bool()) that a "
+                "deferred build cannot know: it depends on random numbers or on a tensor of "
+                f"more than {VALUE_READ_LIMIT} elements (a weight). Build this model eagerly, "
+                "or compute the value from Python numbers in its constructor") from exc
 
     def _on_build_device(self, named: list[torch.device], x: Any) -> Any:
         """A device argument other than the build device and the CPU becomes the build
@@ -320,6 +345,7 @@ def leaves(x: Any) -> Iterator[Any]:
 
 
 _CPU = torch.device("cpu")
+_READ_SCALAR = torch.ops.aten._local_scalar_dense.default
 _registered_inits: dict[type, Callable[[nn.Module], None]] = {}
 
 

@@ -13,7 +13,8 @@ inputs builder gives one), and takes the reference: the library's own
 ``from_pretrained`` (the mapping's class; the diffusers class), training mode, one step
 per rank's batch, the mean loss and mean gradients (what data parallelism computes: a
 parameter a batch gives no gradient counts zero in that batch's term) and the trainable
-names (a model with batch norm: all in float64, `DOUBLE_REASON`). Then ``annot plan DIR``
+names (a model with batch norm or a learned input of zeros: all in float64,
+`DOUBLE_REASON`, `ZERO_INPUT_REASON`). Then ``annot plan DIR``
 and ``annot plan DIR --memory --seq S --batch B`` (B: each rank's batch) in that process
 (DIR: the model folder, or the pipeline folder). A case that cannot get this far ends
 there: skipped where the library itself fails or the inputs builder refuses (the
@@ -232,8 +233,9 @@ def _hf_prepare(kind: str, arch: str, directory: Path) -> Row:
     if lost:
         return {**row, "outcome": "skipped", "reason": f"transformers fails to load its own save: {lost}"}
     options: dict[str, Any] = {}
-    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        row["dtype"], options = "float64", {"dtype": torch.float64}
+    double = _double_reason(model)
+    if double:
+        row["dtype"], row["dtype_reason"], options = "float64", double, {"dtype": torch.float64}
         batches = {label: [_in_double(b) for b in scenario] for label, scenario in batches.items()}
     refs = _references(lambda: cls.from_pretrained(directory, **options), hf_loss, batches)
     if isinstance(refs, Skipped):
@@ -255,6 +257,22 @@ def _in_double(batch: Batch) -> Batch:
 #: only moved in memory (as FSDP2's gathered ones are, views into one flat buffer), by
 #: 0.08 in ResNet from one thread to two: in float32 the reference is not a reference.
 DOUBLE_REASON = "batch norm over a two-image batch magnifies float32 rounding past any bound"
+
+#: Why a model with a learned input left at zeros is compared in float64: InstructBLIP's
+#: query tokens (zeros) enter a layer norm with zero variance, whose backward multiplies
+#: by 1/sqrt(eps) = 1e6. FSDP2's hook at a unit's input changes the order autograd adds a
+#: shared activation's four gradients in: one ulp there (measured, world size 1) became
+#: 1.1e-5 of the query tokens' gradient.
+ZERO_INPUT_REASON = "a learned input of zeros, layer-normed, magnifies float32 rounding by 1/sqrt(eps)"
+
+
+def _double_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` is compared in float64 (`DOUBLE_REASON`, `ZERO_INPUT_REASON`), or None."""
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return DOUBLE_REASON
+    if any(p.dim() >= 2 and not p.any() for p in model.parameters()):
+        return ZERO_INPUT_REASON
+    return None
 
 
 def _lost_in_round_trip(cls: type, directory: Path) -> str:
@@ -391,7 +409,7 @@ def run_case(prepared: Row, directory: Path) -> Row:
     refs = torch.load(directory / REFERENCE, weights_only=False)
     rank, loss_of, target = dist.get_rank(), loss_function(kind), model_folder(directory, kind)
     labels = [label for label in SCENARIOS if _SAME_BATCHES.get(label, label) in batches]
-    dtype = {"torch_dtype": torch.float64} if row.get("dtype") == "float64" else {}  # DOUBLE_REASON
+    dtype = {"torch_dtype": torch.float64} if row.get("dtype") == "float64" else {}  # _double_reason
     for label in labels:
         source = _SAME_BATCHES.get(label, label)
         row[label] = run_scenario(

@@ -28,6 +28,9 @@ MODELS = {
     "whisper": ("speech_seq2seq", "WhisperForConditionalGeneration"),
     "bert": ("masked_lm", "BertForMaskedLM"),
     "vit": ("image_classification", "ViTForImageClassification"),
+    "blip-2": ("image_text", "Blip2ForConditionalGeneration"),
+    "instructblip": ("image_text", "InstructBlipForConditionalGeneration"),
+    "instructblipvideo": ("image_text", "InstructBlipVideoForConditionalGeneration"),
 }
 SEQ = 48
 _built: dict[str, torch.nn.Module] = {}
@@ -170,6 +173,24 @@ def test_meta_init_model_gets_the_same_shapes() -> None:
     batch = inputs(model)
     assert shapes(batch) == shapes(real)
     assert batch["pixel_values"].device.type == "meta"
+
+
+@pytest.mark.parametrize(("model_type", "token", "frames"), [
+    ("blip-2", "image_token_id", 1), ("instructblip", "image_token_id", 1),
+    ("instructblipvideo", "video_token_id", 4)])
+def test_a_q_former_model_built_on_the_meta_device_gets_the_batch_of_a_real_one(
+        model_type: str, token: str, frames: int) -> None:
+    """The memory planner's build holds no values and the Q-Former's attention mask reads
+    one (``.item()``): the count is the query tokens (each frame's), as a real run gives."""
+    import transformers
+
+    model = build(model_type)
+    real = inputs(model)
+    assert int((real["input_ids"] == getattr(model.config, token)).sum()) == 2 * frames * model.config.num_query_tokens
+    task, cls = MODELS[model_type]
+    with torch.device("meta"):
+        empty = getattr(transformers, cls)._from_config(tiny_config(model_type, task))
+    assert shapes(inputs(empty)) == shapes(real)
 
 
 def test_a_module_without_a_transformers_config_is_refused() -> None:

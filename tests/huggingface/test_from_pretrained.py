@@ -281,3 +281,16 @@ def test_a_planted_metadata_pickle_never_runs(fsdp2_run, saved_models):
     the right values) the file does not exist (docs/design.md, pitfall 17)."""
     assert fsdp2_run  # the 2-rank from_pretrained runs happened
     assert not planted_sentinel(saved_models).exists()
+
+
+def test_with_an_engine_every_module_is_in_training_mode(tmp_path, one_rank):
+    # Emu3's VQ tokenizer sets itself to eval mode in its constructor; transformers'
+    # from_pretrained then the trainer's model.train() leave it training, and in
+    # training mode it gives other image tokens (the class sweep's loss was 1.4e-4 off).
+    import transformers
+
+    from tests.huggingface.sweep_configs import tiny_config
+
+    transformers.Emu3ForConditionalGeneration._from_config(tiny_config("emu3", "image_text")).save_pretrained(tmp_path)
+    model = annot.from_pretrained(tmp_path, "ddp", device="cpu")
+    assert [name for name, module in model.named_modules() if not module.training] == []

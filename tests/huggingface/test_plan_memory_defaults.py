@@ -37,3 +37,32 @@ def test_models_taking_other_token_ids_are_traced_on_their_own_batch(capsys, tmp
     code = annot_main(["plan", str(tmp_path), "--memory", "--batch", "2", "--seq", "64"])
     _, err = capsys.readouterr()
     assert code == 0, err
+
+
+@pytest.mark.sweep  # 5-15 s each; the default lane checks the line below on the meta model
+@pytest.mark.parametrize("case", ["image_text/aria", "image_text/instructblip"])
+def test_a_tower_that_reads_its_inputs_values_is_planned(capsys, tmp_path, case):
+    """Aria's and InstructBLIP's towers read a value of their inputs (an attention mask's):
+    built on the meta device they cannot run, so the line saying what the trace is fed
+    and the Q-Former's token count must not run them there ("Tensor.item() cannot be
+    called on meta tensors"), the class sweep's cases."""
+    from tests.huggingface.probe_classes import architectures, tiny_model
+
+    kind, arch = case.split("/")
+    tiny_model(kind, arch, architectures(kind)[arch], tmp_path)
+    code = annot_main(["plan", str(tmp_path), "--memory", "--batch", "2", "--seq", "64"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "image(s) of" in out
+
+
+def test_the_line_saying_what_the_trace_is_fed_does_not_run_a_tower_on_meta():
+    import torch
+    import transformers
+
+    from annot.memory.inputs import MediaSizes
+    from tests.huggingface.sweep_configs import tiny_config
+
+    with torch.device("meta"):
+        aria = transformers.AriaForConditionalGeneration._from_config(tiny_config("aria", "image_text"))
+    assert MediaSizes().describe(aria, 2, 64).startswith("traced on 2 sample(s) of 64 tokens, 1 image(s)")

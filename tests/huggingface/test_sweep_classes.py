@@ -31,7 +31,13 @@ from tests.huggingface.sweep_classes import (
     run_sweep,
     select,
 )
-from tests.huggingface.sweep_classes_worker import compare_whole, data_parallel_mean
+from tests.huggingface.sweep_classes_worker import (
+    DOUBLE_REASON,
+    ZERO_INPUT_REASON,
+    _double_reason,
+    compare_whole,
+    data_parallel_mean,
+)
 from tests.huggingface.sweep_worker import classify
 
 TEST_NAME = "test_case_passes_or_is_refused_or_skipped_with_its_reason"
@@ -122,6 +128,17 @@ def test_a_huge_gradient_is_compared_relative_to_its_size_and_a_wrong_one_still_
 
 PASSED = {"loss_rel": 0.0, "grad_max": 0.0}
 PLANNED = {"plan": {"rc": 0, "stderr": ""}, "plan_memory": {"rc": 0, "stderr": ""}}
+
+
+def test_float64_only_for_batch_norm_or_a_learned_input_of_zeros():
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    assert _double_reason(plain) is None
+    torch.nn.init.zeros_(plain[1].bias)  # a zero bias is common and harmless
+    assert _double_reason(plain) is None
+    queries = torch.nn.Module()
+    queries.query_tokens = torch.nn.Parameter(torch.zeros(1, 3, 4))
+    assert _double_reason(queries) == ZERO_INPUT_REASON
+    assert _double_reason(torch.nn.Sequential(torch.nn.BatchNorm2d(3))) == DOUBLE_REASON
 
 
 def test_the_mixed_scenario_decides_the_row_where_it_ran():

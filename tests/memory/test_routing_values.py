@@ -175,3 +175,17 @@ def test_longcat_flash_s_expert_count_traces_at_the_default_sequence():
         model = transformers.AutoModelForCausalLM.from_config(config)
     trace = trace_step(model, None, batch=1, seq=2048, checkpoint=False)
     assert trace.assumption == ROUTING_ASSUMPTION and trace.peak > 0
+
+
+def test_a_fake_tensors_memory_read_outside_any_operation_reads_values():
+    # UDOP turns a tensor into indices with zip(*ind): C++ reads the fake tensor's memory.
+    from annot.memory.routing_values import reads_values
+
+    with FakeTensorMode():
+        ind = torch.zeros(3, 2, dtype=torch.long)
+        target = torch.ones(4, 4, dtype=torch.bool)
+        rows, cols = zip(*ind, strict=True)
+        with pytest.raises(RuntimeError) as caught:
+            target[rows, cols] = False
+    assert reads_values(caught.value)
+    assert not reads_values(RuntimeError("shape mismatch"))

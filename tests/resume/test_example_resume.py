@@ -5,7 +5,9 @@ does not depend on ``--steps``; the same state resumed on 1 rank continues from 
 sequence of the stream.
 
 Launches: three on 2 ranks (6 steps straight; 3 steps and a save; the resume to 6) and
-one process resuming the step-3 state alone.
+one process resuming the step-3 state alone. In the sweep lane (`-m sweep`): 70 s of
+launches the default lane's 20 minutes have no room for; tests/resume/test_resume.py
+resumes whole runs there and tests/resume/test_resumable_loader.py the data position.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from tests.distributed import ROOT, free_port, run_process, torchrun, worker_env
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.sweep]
 
 TRAIN = ROOT / "examples" / "gpt" / "train.py"
 MODEL = ["--n_layer", "2", "--n_embd", "32", "--n_head", "2"]
