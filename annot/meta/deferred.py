@@ -33,9 +33,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
 
+from annot.meta.tape import Op, Ref, TensorLayout, leaves, map_leaves
 from annot.meta.tensor_attributes import map_tensor_attributes
+from annot.meta.value_reads import VALUE_READ_LIMIT, value_of
 from annot.module_state import module_state, peek_state
 from annot.policies.errors import AnnotError
 
@@ -67,40 +68,6 @@ UNINITIALIZED = {
 
 class DeferredInitError(AnnotError, RuntimeError):
     """Construction could not be recorded, or the record cannot initialize the model."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Ref:
-    """A tensor on the tape, by its index."""
-
-    index: int
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorLayout:
-    """Shape, stride and dtype of a recorded tensor; ``whole`` when it covers its storage
-    exactly (writing all of it replaces every byte of the storage)."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    whole: bool
-
-
-@dataclasses.dataclass
-class Op:
-    """One recorded operation: tensors in args/kwargs/out are `Ref`s. ``rng_state``: the
-    CPU random state to set before it, when code inside `meta_init` changed the state
-    (``torch.manual_seed``) since the previous operation; else ``None``. ``named_device``:
-    the device the constructor asked for (``device="cuda"``, a ``with torch.device(...)``
-    block) when it was not the one the record builds and replays on; else ``None``."""
-
-    func: Any
-    args: Any
-    kwargs: Any
-    out: Any
-    rng_state: torch.Tensor | None = None
-    named_device: torch.device | None = None
 
 
 @dataclasses.dataclass
@@ -240,9 +207,6 @@ class _Recorder(TorchDispatchMode):
         try:
             return func(*args)
         except Exception as exc:
-            # Imported here: value_reads builds on this module's types.
-            from annot.meta.value_reads import VALUE_READ_LIMIT, value_of
-
             i = self.index.get(id(args[0]))
             with _disable_current_modes():  # real tensors, outside the fake mode
                 value = (None if i is None else
@@ -313,35 +277,6 @@ def _draws_random_numbers(func: Any) -> bool:
     """Whether an aten operation draws from a random-number generator: torch tags every
     one that does (uniform_, normal_, bernoulli, randperm, dropout, ...) so."""
     return torch.Tag.nondeterministic_seeded in func.tags
-
-
-def map_leaves(fn: Callable[[Any], Any], x: Any) -> Any:
-    """``tree_map`` for what aten operations take and return (plain tuples, lists and
-    dicts of leaves) without pytree's per-node bookkeeping, which was most of the
-    recording's own time (profiled); any other container goes to pytree."""
-    kind = type(x)
-    if kind is tuple or kind is list:
-        return kind(map_leaves(fn, v) for v in x)
-    if kind is dict:
-        return {k: map_leaves(fn, v) for k, v in x.items()}
-    if isinstance(x, (tuple, list, dict)):  # a named tuple, a subclass: pytree knows them
-        return tree_map(fn, x)
-    return fn(x)
-
-
-def leaves(x: Any) -> Iterator[Any]:
-    """The leaves of what `map_leaves` maps, in the same order as ``tree_flatten``."""
-    kind = type(x)
-    if kind is tuple or kind is list:
-        for v in x:
-            yield from leaves(v)
-    elif kind is dict:
-        for v in x.values():
-            yield from leaves(v)
-    elif isinstance(x, (tuple, list, dict)):
-        yield from tree_flatten(x)[0]
-    else:
-        yield x
 
 
 _CPU = torch.device("cpu")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from annot.meta.deferred import Op, Ref, TensorLayout, leaves, map_leaves
+from annot.meta.tape import Op, Ref, TensorLayout, leaves, map_leaves
 
 __all__ = ["VALUE_READ_LIMIT", "value_of"]
 
