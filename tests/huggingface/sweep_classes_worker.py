@@ -13,7 +13,7 @@ inputs builder gives one), and takes the reference: the library's own
 ``from_pretrained`` (the mapping's class; the diffusers class), training mode, one step
 per rank's batch, the mean loss and mean gradients (what data parallelism computes: a
 parameter a batch gives no gradient counts zero in that batch's term) and the trainable
-names (a model with batch norm or a learned input of zeros: all in float64,
+names (a model with batch norm or with query tokens of zeros: all in float64,
 `DOUBLE_REASON`, `ZERO_INPUT_REASON`). Then ``annot plan DIR``
 and ``annot plan DIR --memory --seq S --batch B`` (B: each rank's batch) in that process
 (DIR: the model folder, or the pipeline folder). A case that cannot get this far ends
@@ -258,19 +258,21 @@ def _in_double(batch: Batch) -> Batch:
 #: 0.08 in ResNet from one thread to two: in float32 the reference is not a reference.
 DOUBLE_REASON = "batch norm over a two-image batch magnifies float32 rounding past any bound"
 
-#: Why a model with a learned input left at zeros is compared in float64: InstructBLIP's
-#: query tokens (zeros) enter a layer norm with zero variance, whose backward multiplies
-#: by 1/sqrt(eps) = 1e6. FSDP2's hook at a unit's input changes the order autograd adds a
-#: shared activation's four gradients in: one ulp there (measured, world size 1) became
-#: 1.1e-5 of the query tokens' gradient.
-ZERO_INPUT_REASON = "a learned input of zeros, layer-normed, magnifies float32 rounding by 1/sqrt(eps)"
+#: Why a model whose Q-Former query tokens are zeros is compared in float64: InstructBLIP's
+#: enter a layer norm with zero variance, whose backward multiplies by 1/sqrt(eps) = 1e6.
+#: FSDP2's hook at a unit's input changes the order autograd adds a shared activation's
+#: four gradients in: one ulp there (measured, world size 1) became 1.1e-5 of the query
+#: tokens' gradient. Only the query tokens: other zero parameters (DeepSeek-OCR 2's
+#: position tables, ERNIE-VL's routing statics) feed no norm, and grouped experts have no
+#: float64 kernel.
+ZERO_INPUT_REASON = "query tokens of zeros, layer-normed, magnify float32 rounding by 1/sqrt(eps)"
 
 
 def _double_reason(model: torch.nn.Module) -> str | None:
     """Why ``model`` is compared in float64 (`DOUBLE_REASON`, `ZERO_INPUT_REASON`), or None."""
     if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         return DOUBLE_REASON
-    if any(p.dim() >= 2 and not p.any() for p in model.parameters()):
+    if any(name.endswith("query_tokens") and not p.any() for name, p in model.named_parameters()):
         return ZERO_INPUT_REASON
     return None
 
