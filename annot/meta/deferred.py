@@ -34,7 +34,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from annot.meta.tape import Op, Ref, TensorLayout, leaves, map_leaves
+from annot.meta.tape import (
+    Op,
+    Ref,
+    TensorLayout,
+    draws_random_numbers,
+    leaves,
+    map_leaves,
+    writes_of,
+)
 from annot.meta.tensor_attributes import map_tensor_attributes
 from annot.meta.value_reads import VALUE_READ_LIMIT, value_of
 from annot.module_state import module_state, peek_state
@@ -190,7 +198,7 @@ class _Recorder(TorchDispatchMode):
         self.func = func
         op = Op(func, map_leaves(self._input, args), map_leaves(self._input, kwargs) if kwargs else {},
                 map_leaves(self._output, out), named_device=named[0] if named else None)
-        if _draws_random_numbers(func):
+        if draws_random_numbers(func):
             with _disable_current_modes():  # real tensors, compared outside the fake mode
                 state = torch.get_rng_state()
                 if not torch.equal(state, self.rng_state):
@@ -252,7 +260,7 @@ class _Recorder(TorchDispatchMode):
         return x
 
     def _note_writes(self, func: Any, args: tuple[Any, ...], op: Op) -> None:
-        written_args, fresh_returns = _writes_of(func)
+        written_args, fresh_returns = writes_of(func)
         for position in written_args:
             if position < len(args) and isinstance(value := args[position], torch.Tensor):
                 self.written.add(self.group_of[self.index[id(value)]])
@@ -260,23 +268,6 @@ class _Recorder(TorchDispatchMode):
             for fresh, ref in zip(fresh_returns, leaves(op.out), strict=False):
                 if fresh and isinstance(ref, Ref):
                     self.written.add(self.group_of[ref.index])
-
-
-@functools.cache
-def _writes_of(func: Any) -> tuple[tuple[int, ...], tuple[bool, ...]]:
-    """From an aten operation's schema: the positions of the arguments it writes, and for
-    each return whether it is fresh contents (not an alias of an argument)."""
-    schema = func._schema
-    written = tuple(i for i, argument in enumerate(schema.arguments)
-                    if argument.alias_info is not None and argument.alias_info.is_write)
-    return written, tuple(returned.alias_info is None for returned in schema.returns)
-
-
-@functools.cache
-def _draws_random_numbers(func: Any) -> bool:
-    """Whether an aten operation draws from a random-number generator: torch tags every
-    one that does (uniform_, normal_, bernoulli, randperm, dropout, ...) so."""
-    return torch.Tag.nondeterministic_seeded in func.tags
 
 
 _CPU = torch.device("cpu")

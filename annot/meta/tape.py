@@ -1,18 +1,20 @@
 """The construction record's vocabulary: a recorded operation (`Op`), the tensors on its
 tape (`Ref`) and their layout (`TensorLayout`), and the walk over what aten operations
-take and return (`map_leaves`, `leaves`). `annot.meta.deferred` records with them,
+take and return (`map_leaves`, `leaves`), and what an operation's schema and tags say
+it writes (`writes_of`) and whether it draws random numbers (`draws_random_numbers`). `annot.meta.deferred` records with them,
 `annot.meta.value_reads` and `annot.meta.materialization` replay with them."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["Op", "Ref", "TensorLayout", "leaves", "map_leaves"]
+__all__ = ["Op", "Ref", "TensorLayout", "draws_random_numbers", "leaves", "map_leaves", "writes_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,3 +78,20 @@ def leaves(x: Any) -> Iterator[Any]:
         yield from tree_flatten(x)[0]
     else:
         yield x
+
+
+@functools.cache
+def writes_of(func: Any) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """From an aten operation's schema: the positions of the arguments it writes, and for
+    each return whether it is fresh contents (not an alias of an argument)."""
+    schema = func._schema
+    written = tuple(i for i, argument in enumerate(schema.arguments)
+                    if argument.alias_info is not None and argument.alias_info.is_write)
+    return written, tuple(returned.alias_info is None for returned in schema.returns)
+
+
+@functools.cache
+def draws_random_numbers(func: Any) -> bool:
+    """Whether an aten operation draws from a random-number generator: torch tags every
+    one that does (uniform_, normal_, bernoulli, randperm, dropout, ...) so."""
+    return torch.Tag.nondeterministic_seeded in func.tags

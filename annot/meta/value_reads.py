@@ -8,7 +8,7 @@ transformers' code has the pattern elsewhere too::
 
 The tape already says how that tensor was made. `value_of` replays, on real CPU tensors,
 only the recorded operations its value depends on (every operation that made or wrote a
-storage it reads, back to constants and factories) and returns the value. It refuses
+storage it reads, back to constants and factories; not those that only read one) and returns the value. It refuses
 (returns ``None``, and the caller raises the original error) when that chain draws random
 numbers (the replay would have to move the generator the recording did not) or holds a
 tensor larger than `VALUE_READ_LIMIT` elements (a read of a weight's value, which a
@@ -17,12 +17,21 @@ deferred build cannot know without doing the work it defers).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from annot.meta.tape import Op, Ref, TensorLayout, leaves, map_leaves
+from annot.meta.tape import (
+    Op,
+    Ref,
+    TensorLayout,
+    draws_random_numbers,
+    leaves,
+    map_leaves,
+    writes_of,
+)
 
 __all__ = ["VALUE_READ_LIMIT", "value_of"]
 
@@ -39,12 +48,15 @@ def value_of(index: int, ops: Sequence[Op], constants: Mapping[int, torch.Tensor
     needed_groups = {group_of[index]}
     chain: list[Any] = []
     for op in reversed(ops):
-        refs = [x for x in leaves((op.args, op.kwargs, op.out)) if isinstance(x, Ref)]
-        if not any(group_of[r.index] in needed_groups for r in refs):
+        # Needed: an operation that gives contents to a needed storage (what it returns,
+        # or an argument it writes in place); one that only reads a needed tensor is not.
+        written = [op.args[i] for i in writes_of(op.func)[0] if i < len(op.args)]
+        if not any(isinstance(x, Ref) and group_of[x.index] in needed_groups for x in (*leaves(op.out), *written)):
             continue
-        if torch.Tag.nondeterministic_seeded in op.func.tags:
+        if draws_random_numbers(op.func):
             return None
-        if any(_numel(layout[r.index].shape) > VALUE_READ_LIMIT for r in refs):
+        refs = [x for x in leaves((op.args, op.kwargs, op.out)) if isinstance(x, Ref)]
+        if any(math.prod(layout[r.index].shape) > VALUE_READ_LIMIT for r in refs):
             return None
         needed_groups.update(group_of[r.index] for r in refs)
         chain.append(op)
@@ -64,10 +76,3 @@ def value_of(index: int, ops: Sequence[Op], constants: Mapping[int, torch.Tensor
     except (KeyError, RuntimeError):  # a reference no chain operation made: unknowable here
         return None
     return env.get(index)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

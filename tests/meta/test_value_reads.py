@@ -25,6 +25,13 @@ class ReadsRates(nn.Module):
         self.scale = float(scale[1])
         self.first = nn.Linear(4, 4)
         self.second = nn.Linear(int(torch.arange(5).sum()), 2)
+        # A weight larger than the read limit, scaled by the table before the table is
+        # read: an operation that only reads the table is not on the read's chain.
+        table = torch.linspace(1, 2, 3)
+        self.wide = nn.Linear(300, 300)
+        with torch.no_grad():
+            self.wide.weight.mul_(table[0])
+        self.last = table[2].item()
 
 
 class ReadsWeight(nn.Module):
@@ -44,6 +51,7 @@ def test_values_read_in_the_constructor_are_eager_ones(block) -> None:  # noqa: 
     assert deferred.rates == eager.rates
     assert deferred.scale == eager.scale == 2.5
     assert deferred.second.in_features == 10
+    assert deferred.last == eager.last == 2.0
     materialize(deferred)
     for name, tensor in eager.state_dict().items():
         assert torch.equal(deferred.state_dict()[name], tensor), name
