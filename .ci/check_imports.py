@@ -55,6 +55,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime, meta", ("annot.runtime", "annot.meta")),
     ("checkpoint_io", ("annot.checkpoint_io",)),
     ("formats", ("annot.formats",)),
+    ("quantization", ("annot.quantization",)),
     ("engines", ("annot.engines", "annot.engines.tensor_parallel")),
     ("wrap, values", ("annot.wrap", "annot.values", "annot.training_state")),
     ("huggingface.pretrained", ("annot.huggingface.pretrained",)),

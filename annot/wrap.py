@@ -147,7 +147,7 @@ def auto_wrap(
     checkpointed = steps.checkpoint_paths(model, plan, checkpoint)
     prepare_for_training(model, checkpointing=bool(checkpointed)) # 3. HF training settings
     if source is not None and not deferred:                       # a model with storage
-        load_logged(model, source.path, request.device, format=source.format)
+        load_logged(model, source.path, request.device, format=source.format, filled=source.filled)
     before = list(model.parameters())
     steps.prepare(model, request, opts, checkpointed)             # 4. tools inside the units
     if deferred and steps.fills_before_wrap:                      # 5. storage and values

@@ -129,6 +129,10 @@ class CheckpointSource:
 
     path: Path
     format: CheckpointFormat = PLAIN
+    #: Model names that already hold their values from this checkpoint (a weight
+    #: quantized on load: `annot.quantization`): a load reads, allocates and initializes
+    #: them no more.
+    filled: frozenset[str] = frozenset()
 
     @property
     def weights(self) -> Path:

@@ -27,7 +27,7 @@ import logging
 import math
 import os
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -46,7 +46,8 @@ from annot.meta.deferred import deferred_init_of
 from annot.meta.layout import WHOLE, Block, FlatPart, ShardLayout, dtensor_block, local
 from annot.meta.materialization import materialize, sharded_device
 
-__all__ = ["CheckpointError", "LoadReport", "check_keys", "load", "load_logged", "state_names"]
+__all__ = ["CheckpointError", "LoadReport", "check_keys", "load", "load_logged", "state_names",
+           "whole_tensors"]
 
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
@@ -64,7 +65,7 @@ class LoadReport:
 def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
          device: torch.device | str | None = None, layout: ShardLayout = WHOLE,
          dcp: bool = False, prefix: str | None = None, mmap: bool = False,
-         format: CheckpointFormat = PLAIN) -> LoadReport:
+         format: CheckpointFormat = PLAIN, filled: Collection[str] = ()) -> LoadReport:
     """Load ``path`` into ``model`` in place and return a `LoadReport`.
 
     ``format`` (`annot.checkpoint_io.formats`) says where the weights are under ``path``,
@@ -95,6 +96,10 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
     lives: rewriting one in place (not annot's saves, which write a new file and rename
     it) changes the values of weights not yet written, or kills the process (SIGBUS)
     if it shrinks (docs/design.md, pitfall 28). What cannot be mapped is read.
+
+    ``filled`` names tensors that already hold their values from this checkpoint (a
+    weight quantized on load, `annot.quantization`): they are neither read, nor
+    allocated, nor initialized, nor reported missing.
     """
     path = format.weights_folder(Path(path))
     if not path.exists():
@@ -114,14 +119,17 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
             f"{path} holds a torch distributed checkpoint; its .metadata is a pickle, which annot "
             "reads only when asked: pass dcp=True if you trust the folder (and prefix='model.' "
             "or another if its keys carry one)")
-    match = _match(model, path, layout, format)
+    if filled and (dcp or (path / ".metadata").is_file()):
+        raise CheckpointError(f"{path}: tensors filled before the load (quantized) are read from "
+                              "safetensors files only")
+    match = _match(model, path, layout, format, frozenset(filled))
     missing, unexpected, groups = match.missing, match.unexpected, match.groups
     if strict and (missing or unexpected):
         raise CheckpointError(_mismatch(path, missing, unexpected))
     _refuse_incompatible(match, layout)
     provided = {n for group in groups if any(match.provides(m) for m in group) for n in group}
     mapped = _map_provided(model, groups, match, layout) if mmap else None
-    _allocate(model, device, skip=provided, layout=layout, mapped=mapped)
+    _allocate(model, device, skip=provided | set(filled), layout=layout, mapped=mapped)
     mapped = mapped or {}
     loaded, read = _fill_from_safetensors(model, groups, match, layout, skip=set(mapped))
     converted, converted_read = _fill_converted(model, groups, match, layout)
@@ -154,9 +162,10 @@ def _refuse_mapping(model: nn.Module, path: Path, device: torch.device | str | N
 
 def load_logged(model: nn.Module, path: str | os.PathLike[str], device: torch.device | None,
                 layout: ShardLayout = WHOLE, mmap: bool = False,
-                format: CheckpointFormat = PLAIN) -> None:
+                format: CheckpointFormat = PLAIN, filled: Collection[str] = ()) -> None:
     """`annot.load` without strictness; what did not match is logged, not silent."""
-    report = load(model, path, strict=False, device=device, layout=layout, mmap=mmap, format=format)
+    report = load(model, path, strict=False, device=device, layout=layout, mmap=mmap, format=format,
+                  filled=filled)
     for what, keys in (("kept their initialization (not in the checkpoint)", report.missing),
                        ("were ignored (not in the model)", report.unexpected)):
         if keys:
@@ -185,9 +194,11 @@ class _Match:
         return name in self.available or name in self.converted.targets
 
 
-def _match(model: nn.Module, path: Path, layout: ShardLayout, format: CheckpointFormat) -> _Match:
+def _match(model: nn.Module, path: Path, layout: ShardLayout, format: CheckpointFormat,
+           filled: frozenset[str] = frozenset()) -> _Match:
     """Match the checkpoint at ``path`` (the weights folder or file) with ``model``, reading
-    only the files' headers; ``format`` says how its keys become the model's names."""
+    only the files' headers; ``format`` says how its keys become the model's names.
+    Groups holding a ``filled`` name are left out (their values are in already)."""
     files = _safetensors_files(path, format.files)
     names = state_names(model, layout)
     where = {key: file for file, handle in files.items() for key in handle.keys()}
@@ -209,12 +220,32 @@ def _match(model: nn.Module, path: Path, layout: ShardLayout, format: Checkpoint
         source = next((other for other in others if other in available), None)
         if name not in available and source is not None:
             available[name], file_key[name] = available[source], file_key[source]
-    groups = _tied_groups(model, names, layout)
+    groups = [group for group in _tied_groups(model, names, layout) if not filled.intersection(group)]
     missing = [group[0] for group in groups
                if not any(n in available or n in converted.targets for n in group)]
     unexpected = sorted(set(available) - set(names))
     return _Match(missing, unexpected, groups, available, file_key, files, names, converted,
                   {key: where[key] for key in converted.consumed})
+
+
+def whole_tensors(model: nn.Module, path: str | os.PathLike[str], names: Collection[str], *,
+                  format: CheckpointFormat = PLAIN) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each of ``names`` (the unsharded ``model``'s state names) read whole from the
+    safetensors checkpoint at ``path``, in the model tensor's dtype, one at a time (a
+    caller that drops each before the next holds one tensor at a time). Raises
+    `CheckpointError` for a name the checkpoint has under no key of its own (missing, or
+    built from several keys) or whose shape differs, before anything is read."""
+    match = _match(model, format.weights_folder(Path(path)), WHOLE, format)
+    for name in names:
+        if name not in match.available:
+            raise CheckpointError(f"{path}: {name} is not one tensor of the checkpoint, so it cannot "
+                                  "be read whole (missing, or built from several keys)")
+        key, handle = match.file_key[name], match.files[match.available[name]]
+        _compare(f"{match.available[name]}: {key}", handle.shape(key), handle.dtype(key), name,
+                 match.names[name], WHOLE)
+    for name in names:
+        handle = match.files[match.available[name]]
+        yield name, handle.read(match.file_key[name]).to(match.names[name].dtype)
 
 
 def _refuse_incompatible(match: _Match, layout: ShardLayout) -> None:

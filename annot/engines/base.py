@@ -503,7 +503,7 @@ def fill_values(model: nn.Module, load_from: CheckpointSource | None,
     ``load_from`` (what it lacks keeps its initialization, logged), else replayed from
     its construction record."""
     if load_from is not None:
-        load_logged(model, load_from.path, device, layout, mmap, load_from.format)
+        load_logged(model, load_from.path, device, layout, mmap, load_from.format, load_from.filled)
     else:
         materialize(model, device=device, layout=layout)
 

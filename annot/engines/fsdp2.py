@@ -349,7 +349,8 @@ def apply_fsdp2(
     # A parameter without elements (NucleusMoE's tiny dense MLP of width 0) has nothing to
     # shard or reduce, and FSDP2's reduce-scatter copy fails on it ("_chunk_cat expects
     # non-empty tensor"): FSDP2 leaves it a plain tensor.
-    empty = {p for p in model.parameters() if p.numel() == 0} or None
+    empty = {p for p in model.parameters() if p.numel() == 0}
+    empty |= _left_whole_quantized(model, mesh, device)
     sharded_experts = set(experts.plan.experts) if experts is not None else set()
     if experts is not None:
         def experts_offload(path: str) -> OffloadPolicy:
@@ -374,7 +375,7 @@ def apply_fsdp2(
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy,
             offload_policy=_offload_policy(_unit_offloads(unit, offload), pin),
-            ignored_params=empty,
+            ignored_params=empty or None,
         )
         if len(modules) == 1:
             register_entry_methods(modules[0])
@@ -387,10 +388,28 @@ def apply_fsdp2(
         mesh=mesh,
         mp_policy=mp_policy,
         offload_policy=_offload_policy(bool(offload), pin),
-        ignored_params=empty,
+        ignored_params=empty or None,
     )
     register_entry_methods(model)
     return model
+
+
+def _left_whole_quantized(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> set[nn.Parameter]:
+    """Frozen quantized weights (a tensor type with its own all-gather hooks, torchao's
+    NF4) when FSDP2 shards over one rank: there is nothing to split or gather, and
+    FSDP2's one-rank path hands the hooks one output where NF4's expect three. They stay
+    whole, out of FSDP2, moved to ``device`` here (FSDP2 moves only what it manages)."""
+    if mesh.shape[-1] != 1:
+        return set()
+    kept = set()
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and not param.requires_grad and hasattr(param, "fsdp_pre_all_gather"):
+                if param.device != device:
+                    param = nn.Parameter(param.to(device), requires_grad=False)
+                    module._parameters[name] = param
+                kept.add(param)
+    return kept
 
 
 def gather_on_outside_calls(modules: list[nn.Module]) -> None:

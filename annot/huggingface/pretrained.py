@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from annot.checkpoint_io.formats import CheckpointSource
 from annot.errors import CheckpointError
 from annot.huggingface.model import is_peft_model, keep_in_fp32_names, model_factory
 
@@ -47,6 +48,7 @@ def from_pretrained(
     mmap: bool = False,
     component: str | None = None,
     freeze: Sequence[str] | str | None = None,
+    quantize: str | None = None,
     **auto_wrap_options: Any,
 ) -> Any:
     """Load the transformers or diffusers model saved in the local directory ``path``,
@@ -98,6 +100,14 @@ def from_pretrained(
     a warm page cache, as transformers' own loading maps them. The files must then stay
     as they are while the model lives (`annot.load`).
 
+    ``quantize="nf4"`` (QLoRA; needs torchao, the ``qlora`` extra) quantizes the frozen
+    linears' weights to 4-bit NormalFloat while loading, each read whole and quantized
+    once, then split over the ranks by FSDP2 (`annot.quantization`: which linears, and
+    why some stay in ``torch_dtype``, is logged). The base must be frozen by
+    ``peft_config`` or ``freeze``; ``engine`` must be ``"fsdp2"`` or ``None`` (the others
+    are refused by name), without ``mesh=`` (the ranks FSDP2 splits over are then every
+    rank).
+
     ``engine=None`` returns the bare model, loaded and in eval mode like transformers'
     ``from_pretrained`` (no process group needed). With an engine the model is in training
     mode, as `auto_wrap` returns it. Raises `PretrainedPathError` when ``path`` is not a
@@ -112,6 +122,8 @@ def from_pretrained(
     path = model_folder(path, component)
     if engine is None and auto_wrap_options:  # before the build: a mistake costs no load
         raise ValueError(f"engine=None takes no auto_wrap options, got {', '.join(auto_wrap_options)}")
+    if quantize is not None:
+        _refuse_quantize(quantize, engine, mmap, auto_wrap_options)
     model = build_pretrained(path, torch_dtype=torch_dtype, trust_remote_code=trust_remote_code,
                              auto_class=auto_class, peft_config=peft_config)
     if strict:
@@ -119,12 +131,45 @@ def from_pretrained(
     if freeze is not None:
         _freeze(model, freeze)
     source = checkpoint_source(model, path)
+    if quantize is not None:
+        source = _quantize(model, source, engine)
     if engine is None:
         from annot.checkpoint_io.loading import load_logged
 
-        load_logged(model, source.path, None, mmap=mmap, format=source.format)
+        load_logged(model, source.path, None, mmap=mmap, format=source.format, filled=source.filled)
         return model.eval()
     return auto_wrap(model.train(), engine, load_from=source, mmap=mmap, **auto_wrap_options)
+
+
+def _refuse_quantize(quantize: str, engine: str | None, mmap: bool, options: dict[str, Any]) -> None:
+    from annot.quantization import nf4_tensor_type, refuse_format
+
+    refuse_format(quantize, engine)
+    if "mesh" in options:
+        raise ValueError(f"quantize={quantize!r} with mesh=: not built yet (a quantized weight must "
+                         "split into whole scale blocks on the ranks it is sharded over, checked "
+                         "for every rank): leave mesh out")
+    if mmap:
+        raise ValueError(f"quantize={quantize!r} with mmap=True: a quantized weight is new memory, "
+                         "not the file's")
+    nf4_tensor_type()  # torchao is there, before the build
+
+
+def _quantize(model: nn.Module, source: CheckpointSource, engine: str | None) -> CheckpointSource:
+    """Quantize ``model``'s frozen linears from ``source`` (`annot.quantization`) for
+    ``engine``'s ranks; refuses a model with nothing frozen to quantize."""
+    import torch.distributed as dist
+
+    from annot.quantization import choose_linears, quantize_on_load
+
+    shards = dist.get_world_size() if engine is not None and dist.is_initialized() else 1
+    linears = choose_linears(model, shards)
+    if not linears.quantized:
+        raise ValueError(
+            "quantize='nf4' quantizes frozen linears, and this model has none that can be: "
+            + ("freeze the base with peft_config=... (LoRA) or freeze=..." if not linears.kept
+               else linears.describe()))
+    return quantize_on_load(model, source, linears)
 
 
 def _freeze(model: nn.Module, parts: Sequence[str] | str) -> None:

@@ -409,6 +409,13 @@ def _noop_to_returns_self() -> Iterator[None]:
                 and (dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype)
                 for t in tensors):
             return self
+        if memory_format is None and any(isinstance(t, FakeTensor) for t in tensors):
+            # A real conversion (PEFT casting new adapters to a bfloat16 base's dtype):
+            # `_apply` would swap each fake parameter with its copy, which the record's
+            # weak references forbid. Each tensor is converted (a recorded operation)
+            # and put in its place instead, a new Parameter as `to` gives without swaps.
+            _convert_in_place(self, device, dtype)
+            return self
         return original(self, *args, **kwargs)
 
     nn.Module.to = to  # type: ignore[method-assign,assignment]
@@ -416,6 +423,23 @@ def _noop_to_returns_self() -> Iterator[None]:
         yield
     finally:
         nn.Module.to = original  # type: ignore[method-assign]
+
+
+def _convert_in_place(module: nn.Module, device: Any, dtype: torch.dtype | None) -> None:
+    """Every parameter and buffer of ``module`` converted to ``device`` and (floating and
+    complex ones) ``dtype``, each put back in its module's dict."""
+    def convert(tensor: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and (tensor.is_floating_point() or tensor.is_complex()) else None
+        return tensor.to(device=device, dtype=cast)
+
+    with torch.no_grad():
+        for owner in module.modules():
+            for name, param in owner._parameters.items():
+                if param is not None:
+                    owner._parameters[name] = nn.Parameter(convert(param), requires_grad=param.requires_grad)
+            for name, buffer in owner._buffers.items():
+                if buffer is not None:
+                    owner._buffers[name] = convert(buffer)
 
 
 @contextlib.contextmanager

@@ -134,7 +134,8 @@ def _to_empty(model: nn.Module, device: torch.device | str) -> None:
     DTensor's is its local part's twin wrapped under the DTensor's own spec, as
     ``empty_like`` of the DTensor returns; a plain contiguous tensor's is a plain
     ``empty`` (the strides ``empty_like`` keeps for it). Any other tensor (another
-    subclass, another layout) gets ``empty_like``, as in ``to_empty``."""
+    subclass, another layout) gets ``empty_like``, as in ``to_empty``. A tensor that is
+    not on the meta device is kept as it is."""
     target = torch.device(device)
 
     def plain(tensor: torch.Tensor) -> bool:
@@ -142,6 +143,10 @@ def _to_empty(model: nn.Module, device: torch.device | str) -> None:
                 and tensor.is_contiguous())
 
     def empty(tensor: torch.Tensor) -> torch.Tensor:
+        if not local(tensor).is_meta:
+            # It holds its values already (a weight quantized on load): unlike torch's
+            # to_empty, never replace them by garbage.
+            return tensor
         if type(tensor) is DTensor and plain(tensor._local_tensor):
             # empty_like of a DTensor goes through DTensor's dispatch, which propagates
             # the sharding on fake tensors the first time it meets each shape: most of

@@ -72,3 +72,20 @@ def test_modules_to_save_load_both_copies_as_peft_over_transformers(tmp_path, ti
     assert {k for k in got if ".modules_to_save." in k or ".original_module." in k} == {
         "base_model.model.lm_head.modules_to_save.default.weight", "base_model.model.lm_head.original_module.weight"}
     assert [k for k in want if ".lora_" not in k and not torch.equal(got[k], want[k])] == []
+
+
+def test_a_bfloat16_base_loads_as_peft_over_transformers(tmp_path):
+    """PEFT casts each new adapter to its base layer's dtype, then (autocast_adapter_dtype)
+    back to float32. On the meta build the first cast swapped fake parameters the record
+    holds weak references to, and the load failed ("Couldn't swap Linear.weight")."""
+    ARCHS["llama"].build().save_pretrained(tmp_path)
+    torch.manual_seed(SEED)
+    loaded = annot.from_pretrained(tmp_path, engine=None, peft_config=LORA(), torch_dtype=torch.bfloat16)
+    torch.manual_seed(SEED)
+    eager = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16), LORA())
+    got, want = loaded.state_dict(), eager.state_dict()
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert value.dtype == got[name].dtype and torch.equal(got[name], value), name
+    assert {v.dtype for n, v in got.items() if ".lora_" in n} == {torch.float32}
