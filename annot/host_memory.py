@@ -24,7 +24,7 @@ import torch
 
 from annot.devices import local_world_size
 
-__all__ = ["PINNED_FRACTION", "host_memory_bytes", "pin_host_memory", "pinned_budget"]
+__all__ = ["PINNED_FRACTION", "host_memory_bytes", "pin_host_memory", "pinned_budget", "release_freed_heap"]
 
 #: The share of the host's memory all ranks of a node may pin together: the rest stays
 #: for the pageable state (optimizer on the host, data loaders, the page cache of loads).
@@ -101,3 +101,27 @@ def pin_host_memory(nbytes: int, what: str, *, device: torch.device | str | None
             "synchronous and slower. Use more ranks or nodes, or a host with more memory, to "
             "pin it.", stacklevel=2)
     return False
+
+
+def release_freed_heap() -> bool:
+    """Give the pages of freed heap memory back to the kernel (glibc's ``malloc_trim``);
+    returns whether anything was given back (``False`` without glibc).
+
+    After a large temporary is freed, glibc raises its threshold for serving requests
+    from a memory map, so the next temporaries of a few MiB come from the heap, and the
+    heap keeps freed pages that a live block above them pins: quantizing a 133M-weight
+    Llama layer by layer left 0.31 GiB resident above the start on one rank where the
+    other had 0.13 (docs/design.md, pitfall 65). Costs a walk of the heap: call it after
+    a batch of temporaries (a unit), not after each."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))

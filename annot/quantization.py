@@ -2,19 +2,19 @@
 
 `quantize_on_load` is what ``annot.from_pretrained(..., quantize="nf4")`` does between
 building the model on the meta device and wrapping it: it chooses the linears to
-quantize (`choose_linears`), reads each chosen weight whole from the checkpoint,
-quantizes it with torchao's ``to_nf4`` (64-element blocks, their scales quantized again
-in blocks of 256, less the whole tensor's mean scale) and puts the result in place of
-the meta weight, one tensor at a time. FSDP2 then splits each quantized weight into its
-ranks' rows (torchao's tensor cuts its packed bytes and scales) and all-gathers the
-packed bytes at each use; the load reads everything else as usual and leaves the
-quantized weights alone (`CheckpointSource.filled`).
+quantize (`choose_linears`); then, unit by unit just before FSDP2 shards it, each
+chosen weight is read whole from the checkpoint, quantized with torchao's ``to_nf4``
+(64-element blocks, their scales quantized again in blocks of 256, less the whole
+tensor's mean scale) and put in place of the meta weight. FSDP2 splits each quantized
+weight into its ranks' rows (torchao's tensor cuts its packed bytes and scales) and
+all-gathers the packed bytes at each use; the load reads everything else as usual and
+leaves the quantized weights alone (`CheckpointSource.filled`).
 
 Why whole tensors: the double quantization subtracts the mean of every block's scale
 over the whole tensor, so quantizing a rank's rows alone gives other bytes than
 quantizing the tensor and splitting it. A rank therefore holds, for a moment, one whole
-weight in the model's dtype and its quantized copy, besides everything quantized so far
-(each whole until FSDP2 splits it).
+weight in the model's dtype and one unit's quantized weights whole, besides the shards
+of the units before it.
 
 Which linears: every ``nn.Linear`` whose weight is frozen (a PEFT model's base layers,
 after ``peft_config`` froze them) except the output head (the model's output
@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -37,7 +38,8 @@ from torch import nn
 
 from annot._progress import Progress
 from annot.checkpoint_io.formats import CheckpointSource
-from annot.checkpoint_io.loading import state_names, whole_tensors
+from annot.checkpoint_io.loading import WholeTensors, state_names
+from annot.host_memory import release_freed_heap
 
 __all__ = ["FORMATS", "QuantizedLinears", "choose_linears", "nf4_tensor_type", "quantize_on_load",
            "refuse_format"]
@@ -146,28 +148,60 @@ def _kept_because(module: nn.Linear, path: str, head: nn.Module | None, routers:
     return None
 
 
-def quantize_on_load(model: nn.Module, source: CheckpointSource,
-                     linears: QuantizedLinears) -> CheckpointSource:
-    """Replace each of ``linears.quantized`` (weights of the unwrapped ``model``, still on
-    the meta device) by torchao's NF4 quantization of its tensor read whole from
-    ``source``, frozen; returns ``source`` with those names marked filled, for the load
-    that follows. Logs what was quantized, what was not, and the time it took."""
-    _, to_nf4 = nf4_tensor_type()
-    started = time.perf_counter()
-    owners = {name: _owner(model, name) for name in linears.quantized}
-    read = 0
-    with Progress("quantizing", len(linears.quantized)) as progress:
-        for name, tensor in whole_tensors(model, source.path, linears.quantized, format=source.format):
-            module, attribute = owners[name]
-            read += tensor.nbytes
+def quantize_on_load(model: nn.Module, source: CheckpointSource, linears: QuantizedLinears,
+                     device: torch.device | None = None) -> CheckpointSource:
+    """``source`` with ``linears.quantized`` (weights of the unwrapped ``model``, still on
+    the meta device) marked filled, and the function that fills them: each replaced by
+    torchao's NF4 quantization of its tensor read whole from ``source``, frozen. An
+    engine calls it on each unit just before sharding it, so a rank holds one unit's
+    quantized weights whole at a time; the load fills what is left
+    (`CheckpointSource.fill_before_load`). Each weight is quantized on ``device``
+    (default the CPU), where it then stays. The checkpoint's headers are checked here,
+    before anything is read. Logs what was quantized, what was not, and the time."""
+    quantizer = _Quantizer(model, source, linears, device or torch.device("cpu"))
+    return dataclasses.replace(source, filled=source.filled | frozenset(linears.quantized),
+                               fill_before_sharding=quantizer)
+
+
+class _Quantizer:
+    """Quantizes, on each call, the chosen weights owned by the modules given (or by
+    their submodules) that are not quantized yet."""
+
+    def __init__(self, model: nn.Module, source: CheckpointSource, linears: QuantizedLinears,
+                 device: torch.device) -> None:
+        _, self._to_nf4 = nf4_tensor_type()
+        self._device = device
+        self._reader = WholeTensors(model, source.path, linears.quantized, format=source.format)
+        self._owners = {name: _owner(model, name) for name in linears.quantized}
+        self._linears = linears
+        self._progress = Progress("quantizing", len(linears.quantized))
+        self._seconds = 0.0
+        self._read = 0
+
+    def __call__(self, modules: Sequence[nn.Module]) -> None:
+        inside = {id(module) for root in modules for module in root.modules()}
+        names = [name for name, (owner, _) in self._owners.items() if id(owner) in inside]
+        if not names:
+            return
+        if len(self._owners) == len(self._linears.quantized):
+            self._progress.__enter__()
+        started = time.perf_counter()
+        for name in names:
+            module, attribute = self._owners.pop(name)
+            tensor = self._reader.read(name).to(self._device)
+            self._read += tensor.nbytes
             with torch.no_grad():
-                quantized = to_nf4(tensor.contiguous(), BLOCK, SCALER_BLOCK)
-            setattr(module, attribute, nn.Parameter(quantized, requires_grad=False))
+                quantized = self._to_nf4(tensor.contiguous(), BLOCK, SCALER_BLOCK)
             del tensor
-            progress.advance()
-    logger.info("%s (read %.2f GiB, %.1f s)", linears.describe(), read / 2**30,
-                time.perf_counter() - started)
-    return dataclasses.replace(source, filled=source.filled | frozenset(linears.quantized))
+            setattr(module, attribute, nn.Parameter(quantized, requires_grad=False))
+            if self._device.type == "cpu":  # the quantization's temporaries, back to the kernel
+                release_freed_heap()
+            self._progress.advance()
+        self._seconds += time.perf_counter() - started
+        if not self._owners:
+            self._progress.__exit__(None, None, None)
+            logger.info("%s (read %.2f GiB, %.1f s)", self._linears.describe(), self._read / 2**30,
+                        self._seconds)
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:

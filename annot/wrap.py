@@ -15,7 +15,7 @@ from torch import nn
 
 from annot._deprecation import moved_attribute
 from annot.checkpoint_io.formats import CheckpointSource
-from annot.checkpoint_io.loading import check_compatible, load_logged
+from annot.checkpoint_io.loading import check_compatible, load_source
 from annot.devices import choose_device
 from annot.engines import checks
 from annot.engines.base import OptimizerFactory, Trainable, WrapRequest
@@ -147,7 +147,7 @@ def auto_wrap(
     checkpointed = steps.checkpoint_paths(model, plan, checkpoint)
     prepare_for_training(model, checkpointing=bool(checkpointed)) # 3. HF training settings
     if source is not None and not deferred:                       # a model with storage
-        load_logged(model, source.path, request.device, format=source.format, filled=source.filled)
+        load_source(model, source, request.device)
     before = list(model.parameters())
     steps.prepare(model, request, opts, checkpointed)             # 4. tools inside the units
     if deferred and steps.fills_before_wrap:                      # 5. storage and values

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,10 +129,21 @@ class CheckpointSource:
 
     path: Path
     format: CheckpointFormat = PLAIN
-    #: Model names that already hold their values from this checkpoint (a weight
-    #: quantized on load: `annot.quantization`): a load reads, allocates and initializes
-    #: them no more.
+    #: Model names that hold their values from this checkpoint before the load reads the
+    #: rest (weights quantized on load: `annot.quantization`): the load reads, allocates
+    #: and initializes them no more.
     filled: frozenset[str] = frozenset()
+    #: Fills, in the modules given, the ``filled`` tensors not filled yet. An engine calls
+    #: it on each unit's modules just before sharding them, then on the whole model, so a
+    #: rank holds one unit's filled tensors whole at a time (`fill_before_load` for a
+    #: model no engine shards); ``None`` when ``filled`` is empty.
+    fill_before_sharding: Callable[[Sequence[nn.Module]], None] | None = None
+
+    def fill_before_load(self, model: nn.Module) -> None:
+        """Fill what `fill_before_sharding` has left in ``model`` (all of it when no engine
+        called it)."""
+        if self.fill_before_sharding is not None:
+            self.fill_before_sharding([model])
 
     @property
     def weights(self) -> Path:

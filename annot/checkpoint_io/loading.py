@@ -27,7 +27,7 @@ import logging
 import math
 import os
 from collections import defaultdict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ from annot._progress import Progress
 from annot.checkpoint_io import commit
 from annot.checkpoint_io.converted import Conversions, read_flat
 from annot.checkpoint_io.converted import read_into as read_converted_into
-from annot.checkpoint_io.formats import PLAIN, CheckpointFormat, FileNames
+from annot.checkpoint_io.formats import PLAIN, CheckpointFormat, CheckpointSource, FileNames
 from annot.checkpoint_io.read_queue import ReadQueue
 from annot.checkpoint_io.safetensors_file import SafetensorsFile
 from annot.errors import CheckpointError
@@ -46,8 +46,8 @@ from annot.meta.deferred import deferred_init_of
 from annot.meta.layout import WHOLE, Block, FlatPart, ShardLayout, dtensor_block, local
 from annot.meta.materialization import materialize, sharded_device
 
-__all__ = ["CheckpointError", "LoadReport", "check_keys", "load", "load_logged", "state_names",
-           "whole_tensors"]
+__all__ = ["CheckpointError", "LoadReport", "check_keys", "load", "load_logged", "load_source", "state_names",
+           "WholeTensors"]
 
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
@@ -173,6 +173,14 @@ def load_logged(model: nn.Module, path: str | os.PathLike[str], device: torch.de
             logging.getLogger("annot").warning("loading %s: %s %s", path, shown, what)
 
 
+def load_source(model: nn.Module, source: CheckpointSource, device: torch.device | None,
+                layout: ShardLayout = WHOLE, mmap: bool = False) -> None:
+    """`load_logged` of ``source`` with its format, after filling what it fills before a
+    load (`CheckpointSource.fill_before_load`) and leaving those tensors alone."""
+    source.fill_before_load(model)
+    load_logged(model, source.path, device, layout, mmap, source.format, source.filled)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Match:
     """How a safetensors checkpoint's keys meet a model's state names."""
@@ -228,24 +236,30 @@ def _match(model: nn.Module, path: Path, layout: ShardLayout, format: Checkpoint
                   {key: where[key] for key in converted.consumed})
 
 
-def whole_tensors(model: nn.Module, path: str | os.PathLike[str], names: Collection[str], *,
-                  format: CheckpointFormat = PLAIN) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each of ``names`` (the unsharded ``model``'s state names) read whole from the
-    safetensors checkpoint at ``path``, in the model tensor's dtype, one at a time (a
-    caller that drops each before the next holds one tensor at a time). Raises
-    `CheckpointError` for a name the checkpoint has under no key of its own (missing, or
-    built from several keys) or whose shape differs, before anything is read."""
-    match = _match(model, format.weights_folder(Path(path)), WHOLE, format)
-    for name in names:
-        if name not in match.available:
-            raise CheckpointError(f"{path}: {name} is not one tensor of the checkpoint, so it cannot "
-                                  "be read whole (missing, or built from several keys)")
-        key, handle = match.file_key[name], match.files[match.available[name]]
-        _compare(f"{match.available[name]}: {key}", handle.shape(key), handle.dtype(key), name,
-                 match.names[name], WHOLE)
-    for name in names:
-        handle = match.files[match.available[name]]
-        yield name, handle.read(match.file_key[name]).to(match.names[name].dtype)
+class WholeTensors:
+    """Tensors of the unsharded ``model`` read whole from the safetensors checkpoint at
+    ``path``: the headers are matched once, here (`CheckpointError` for any of ``names``
+    the checkpoint has under no key of its own, missing or built from several keys, or
+    with another shape), and `read` reads one tensor at a time, in the model tensor's
+    dtype, whenever it is called (later, after other units were sharded, too)."""
+
+    def __init__(self, model: nn.Module, path: str | os.PathLike[str], names: Collection[str], *,
+                 format: CheckpointFormat = PLAIN) -> None:
+        match = _match(model, format.weights_folder(Path(path)), WHOLE, format)
+        self._where: dict[str, tuple[SafetensorsFile, str, torch.dtype]] = {}
+        for name in names:
+            if name not in match.available:
+                raise CheckpointError(f"{path}: {name} is not one tensor of the checkpoint, so it "
+                                      "cannot be read whole (missing, or built from several keys)")
+            key, handle = match.file_key[name], match.files[match.available[name]]
+            _compare(f"{match.available[name]}: {key}", handle.shape(key), handle.dtype(key), name,
+                     match.names[name], WHOLE)
+            self._where[name] = (handle, key, match.names[name].dtype)
+
+    def read(self, name: str) -> torch.Tensor:
+        """``name``'s tensor, whole, in the model's dtype (one of the ``names`` given)."""
+        handle, key, dtype = self._where[name]
+        return handle.read(key).to(dtype)
 
 
 def _refuse_incompatible(match: _Match, layout: ShardLayout) -> None:

@@ -45,7 +45,7 @@ from torch import nn
 
 from annot._deprecation import warn_deprecated
 from annot.checkpoint_io.formats import CheckpointSource
-from annot.checkpoint_io.loading import load_logged
+from annot.checkpoint_io.loading import load_source
 from annot.devices import move_to_device
 from annot.errors import EngineNotAvailableError
 from annot.meta.layout import WHOLE, ShardLayout
@@ -503,7 +503,7 @@ def fill_values(model: nn.Module, load_from: CheckpointSource | None,
     ``load_from`` (what it lacks keeps its initialization, logged), else replayed from
     its construction record."""
     if load_from is not None:
-        load_logged(model, load_from.path, device, layout, mmap, load_from.format, load_from.filled)
+        load_source(model, load_from, device, layout, mmap)
     else:
         materialize(model, device=device, layout=layout)
 

@@ -240,7 +240,8 @@ class FSDP2(Engine[FSDP2Options]):
             model, request.plan, offload=cast("bool | None", options.offload),
             mixed_precision=cast("MixedPrecisionPolicy | torch.dtype | None", options.mixed_precision),
             reshard_after_forward=options.reshard_after_forward, mesh=self.mesh,
-            device=request.device, experts=self.experts)
+            device=request.device, experts=self.experts,
+            before_shard=request.load_from.fill_before_sharding if request.load_from is not None else None)
 
     def state(self, trainable: Trainable) -> EngineState:
         """torch's distributed state-dict API, which gives the layout as it is."""
@@ -326,8 +327,12 @@ def apply_fsdp2(
     mesh: DeviceMesh | None,
     device: torch.device,
     experts: ExpertLayout | None = None,
+    before_shard: Callable[[Sequence[nn.Module]], None] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 following ``plan``; returns ``model``.
+
+    ``before_shard`` (a load's `CheckpointSource.fill_before_sharding`) is called with
+    each unit's modules just before they are sharded, then with the whole model.
 
     ``offload`` is parameter offload (FSDP2's ``CPUOffloadPolicy``: parameters, gradients
     and optimizer state on CPU): ``None`` for the units the Plan marks, ``True`` every
@@ -349,6 +354,12 @@ def apply_fsdp2(
     # A parameter without elements (NucleusMoE's tiny dense MLP of width 0) has nothing to
     # shard or reduce, and FSDP2's reduce-scatter copy fails on it ("_chunk_cat expects
     # non-empty tensor"): FSDP2 leaves it a plain tensor.
+    # Tensors that hold values before sharding (weights quantized on load) are filled
+    # unit by unit, just before each unit is sharded; on one rank, all at once (they
+    # stay whole: `_left_whole_quantized`).
+    fill = before_shard or (lambda modules: None)
+    if mesh.shape[-1] == 1 or experts is not None:
+        fill([model])
     empty = {p for p in model.parameters() if p.numel() == 0}
     empty |= _left_whole_quantized(model, mesh, device)
     sharded_experts = set(experts.plan.experts) if experts is not None else set()
@@ -369,6 +380,7 @@ def apply_fsdp2(
         if set(unit.modules) <= sharded_experts:
             continue
         modules = [model.get_submodule(path) for path in unit.modules]
+        fill(modules)
         fully_shard(
             modules if len(modules) > 1 else modules[0],
             mesh=mesh,
@@ -383,6 +395,7 @@ def apply_fsdp2(
         if unit.has(Action.SHARD) and not set(unit.modules) <= sharded_experts:
             gather_on_outside_calls([model.get_submodule(path) for path in unit.modules])
 
+    fill([model])
     fully_shard(
         model,
         mesh=mesh,

@@ -108,6 +108,30 @@ def test_quantized_bytes_are_torchaos_quantization_of_transformers_weights(llama
     assert quantized == 14  # 7 linears in each of 2 layers; the head is kept
 
 
+def test_weights_are_quantized_unit_by_unit_as_the_engine_asks(llama_folder):
+    """`CheckpointSource.fill_before_sharding` quantizes only what the modules it is given
+    own, so a rank holds one unit's quantized weights whole at a time; the load fills
+    the rest (`fill_before_load`)."""
+    from annot.formats.choice import checkpoint_source
+    from annot.huggingface.pretrained import build_pretrained
+    from annot.quantization import quantize_on_load
+
+    model = build_pretrained(llama_folder, peft_config=lora())
+    source = quantize_on_load(model, checkpoint_source(model, llama_folder), choose_linears(model, 2))
+    layers = model.base_model.model.model.layers
+
+    def quantized(module: nn.Module) -> int:
+        return sum(hasattr(p, "quantized_data") for p in module.parameters())
+
+    assert source.fill_before_sharding is not None
+    source.fill_before_sharding([layers[0]])
+    assert (quantized(layers[0]), quantized(layers[1])) == (7, 0)
+    assert all(p.is_meta for p in layers[1].parameters())
+    source.fill_before_load(model)
+    assert (quantized(layers[0]), quantized(layers[1])) == (7, 7)
+    assert len(source.filled) == 14
+
+
 def test_refusals_name_the_way_out(llama_folder, tmp_path):
     with pytest.raises(ValueError, match="annot quantizes to 'nf4'"):
         annot.from_pretrained(llama_folder, None, peft_config=lora(), quantize="int3")
