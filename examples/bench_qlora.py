@@ -19,9 +19,9 @@ Per rank: the load's time, its peak resident memory above the process's footprin
 the load (``ru_maxrss`` less ``VmRSS`` at the start), the bytes the rank keeps (an NF4
 weight's packed bytes and scales; every other tensor's own), the largest checkpoint tensor
 in bf16, and their ratio; then the median time of ``--steps`` AdamW steps after one
-untimed step (one sequence of 128 tokens per rank). Without ``--dir`` it saves a Llama of
-TinyLlama's width with 4 layers (0.31B parameters, 0.61 GiB in bf16) into a temporary
-folder.
+untimed step (one sequence of 64 tokens per rank). Without ``--dir`` it saves a Llama of
+TinyLlama's width with 2 layers (0.22B parameters, 0.41 GiB in bf16) into a temporary
+folder. On a CPU the steps are slow (bfloat16 matrix products on one thread per rank).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def worker(way: str, directory: str, steps: int) -> None:
     vocab = model.get_input_embeddings().num_embeddings
     times = []
     for step in range(steps + 1):
-        tokens = torch.randint(0, vocab, (1, 128), generator=generator)
+        tokens = torch.randint(0, vocab, (1, 64), generator=generator)
         dist.barrier()
         began = time.perf_counter()
         model(input_ids=tokens, labels=tokens).loss.backward()
@@ -160,7 +160,7 @@ def save_model(directory: Path) -> None:
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                                      num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4)
+                                      num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
 
