@@ -22,7 +22,8 @@ embeddings), a mixture-of-experts router (a linear named ``gate`` or ``router`` 
 an ``experts`` module), and a weight whose shape cannot be split into whole scale
 blocks on the ranks it is sharded over (rows divisible by the ranks, and each rank's
 elements by 64 x 256): those stay in the model's dtype, each with the reason, and
-`QuantizedLinears.describe` says which.
+`QuantizedLinears.describe` says which. So do frozen stacked weights (transformers 5's
+fused experts, 3-D): listed as kept, since only linears are quantized.
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ def choose_linears(model: nn.Module, shards: int = 1) -> QuantizedLinears:
             quantized.append(name)
         else:
             kept[name] = reason
+    for name, tensor in state_names(model).items():  # fused experts: (experts, rows, columns)
+        if tensor.dim() >= 3 and isinstance(tensor, nn.Parameter) and not tensor.requires_grad:
+            kept[name] = f"a stacked {tensor.dim()}-D weight (fused experts): only linears are quantized"
     return QuantizedLinears(tuple(quantized), kept)
 
 

@@ -83,6 +83,22 @@ def test_a_mixture_of_experts_router_is_kept():
     assert chosen.quantized == ("0.experts.0.weight",)
 
 
+def test_fused_experts_of_a_mixture_of_experts_are_kept_and_said():
+    config = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                                         moe_intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                         num_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = peft.get_peft_model(transformers.Qwen3MoeForCausalLM(config),
+                                    peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    chosen = choose_linears(model, shards=2)
+    layer = "base_model.model.model.layers.0"
+    # transformers 5's router is a module of its own (Qwen3MoeTopKRouter), not a linear.
+    assert f"{layer}.mlp.gate.weight" not in chosen.quantized
+    assert chosen.kept[f"{layer}.mlp.experts.gate_up_proj"].startswith("a stacked 3-D weight (fused experts)")
+    assert f"{layer}.self_attn.o_proj.weight" in chosen.quantized
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_bytes_are_torchaos_quantization_of_transformers_weights(llama_folder, dtype):
     """Each quantized weight holds, bitwise, ``to_nf4`` of the weight transformers loads
