@@ -199,7 +199,13 @@ def _one_process(folder: Path) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("flags", [(), ("checkpoint",), ("offload",)], ids=["plain", "checkpoint", "offload"])
+@pytest.mark.parametrize("flags", [
+    (),
+    # The default lane keeps the plain run (each launch about 25 s on 2 cores; the lane
+    # must stay under 20 minutes); the sweep lane adds checkpointing and offload.
+    pytest.param(("checkpoint",), marks=pytest.mark.sweep),
+    pytest.param(("offload",), marks=pytest.mark.sweep),
+], ids=["plain", "checkpoint", "offload"])
 def test_fsdp2_on_two_ranks_trains_like_one_process(llama_folder, tmp_path, flags):
     out = tmp_path / "out.pt"
     torchrun(WORKER, str(out), str(llama_folder), *flags)
@@ -222,6 +228,7 @@ def _example_losses(nproc: int) -> list[float]:
 
 
 @pytest.mark.distributed
+@pytest.mark.sweep  # two launches, about 40 s: the 2-rank equality runs in the default lane above
 def test_the_example_prints_the_same_losses_on_one_and_two_ranks():
     one, two = _example_losses(1), _example_losses(2)
     assert len(one) == 4
