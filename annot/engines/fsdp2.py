@@ -351,15 +351,15 @@ def apply_fsdp2(
     # The mesh's last dimension is the one FSDP2 shards over (pitfall 25).
     pin = pin_offloaded_state(plan, offload, device, mesh.shape[-1])
 
-    # A parameter without elements (NucleusMoE's tiny dense MLP of width 0) has nothing to
-    # shard or reduce, and FSDP2's reduce-scatter copy fails on it ("_chunk_cat expects
-    # non-empty tensor"): FSDP2 leaves it a plain tensor.
     # Tensors that hold values before sharding (weights quantized on load) are filled
     # unit by unit, just before each unit is sharded; on one rank, all at once (they
-    # stay whole: `_left_whole_quantized`).
+    # stay whole: `_left_whole_quantized`), and with expert parallelism too.
     fill = before_shard or (lambda modules: None)
     if mesh.shape[-1] == 1 or experts is not None:
         fill([model])
+    # A parameter without elements (NucleusMoE's tiny dense MLP of width 0) has nothing to
+    # shard or reduce, and FSDP2's reduce-scatter copy fails on it ("_chunk_cat expects
+    # non-empty tensor"): FSDP2 leaves it a plain tensor.
     empty = {p for p in model.parameters() if p.numel() == 0}
     empty |= _left_whole_quantized(model, mesh, device)
     sharded_experts = set(experts.plan.experts) if experts is not None else set()
