@@ -47,10 +47,10 @@ PACKAGE = "annot"
 # root "annot" matches itself only. Keep this table and docs/design.md in step.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("policies, rewriter", ("annot.policies", "annot.rewriter")),
-    ("errors, _progress, _version, _deprecation, markers, planning, freezing, module_state, devices, host_memory, process_group, data_loading",
+    ("errors, _progress, _version, _deprecation, markers, planning, freezing, module_state, devices, host_memory, process_group, data_loading, quantized_tensors",
      ("annot.errors", "annot._progress", "annot._version", "annot._deprecation", "annot.markers",
       "annot.planning", "annot.freezing", "annot.module_state", "annot.devices", "annot.host_memory",
-      "annot.process_group", "annot.data_loading")),
+      "annot.process_group", "annot.data_loading", "annot.quantized_tensors")),
     ("huggingface detection", ("annot.huggingface",)),
     ("runtime, meta", ("annot.runtime", "annot.meta")),
     ("checkpoint_io", ("annot.checkpoint_io",)),

@@ -23,7 +23,9 @@ an ``experts`` module), and a weight whose shape cannot be split into whole scal
 blocks on the ranks it is sharded over (rows divisible by the ranks, and each rank's
 elements by 64 x 256): those stay in the model's dtype, each with the reason, and
 `QuantizedLinears.describe` says which. So do frozen stacked weights (transformers 5's
-fused experts, 3-D): listed as kept, since only linears are quantized.
+fused experts, 3-D): listed as kept, since only linears are quantized; and the linears
+inside the modules a rule of the user's selects (``unquantized=``, `choose_linears`).
+`quantized_plan` puts the counts in the Plan's table.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ from annot._progress import Progress
 from annot.checkpoint_io.formats import CheckpointSource
 from annot.checkpoint_io.loading import WholeTensors, state_names
 from annot.host_memory import release_freed_heap
+from annot.policies import Rule, parse_rule
+from annot.policies.model_index import ModelIndex
 
 __all__ = ["FORMATS", "QuantizedLinears", "choose_linears", "nf4_tensor_type", "quantize_on_load",
-           "refuse_format"]
+           "quantized_plan", "refuse_dtype_casts", "refuse_format"]
 
 #: Quantization formats ``quantize=`` takes.
 FORMATS = ("nf4",)
@@ -77,7 +81,9 @@ def refuse_format(quantize: str, engine: str | None) -> None:
     does not train a quantized base yet, before anything is built."""
     if quantize not in FORMATS:
         raise ValueError(f"quantize={quantize!r}: annot quantizes to {', '.join(map(repr, FORMATS))} "
-                         "(QLoRA's 4-bit NormalFloat, through torchao)")
+                         "(QLoRA's 4-bit NormalFloat, through torchao, whose FSDP2 all-gather moves "
+                         "the packed bytes); 8-bit and FP8 weight-only bases are not built in this "
+                         "release (float8 training of the whole model is issue #45's)")
     if engine not in (None, "fsdp2", "fully_shard"):
         raise ValueError(
             f"quantize={quantize!r} trains under engine='fsdp2' (or loads with engine=None) in this "
@@ -104,21 +110,33 @@ def nf4_tensor_type() -> tuple[type, Any]:
     return NF4Tensor, to_nf4
 
 
-def choose_linears(model: nn.Module, shards: int = 1) -> QuantizedLinears:
+def choose_linears(model: nn.Module, shards: int = 1, unquantized: Rule | str | None = None) -> QuantizedLinears:
     """The linears of ``model`` (unwrapped, possibly on the meta device) whose weights
     `quantize_on_load` quantizes when each is split over ``shards`` ranks (see the module
-    docstring for the rule); names are ``model``'s state names."""
+    docstring for the rule); names are ``model``'s state names. ``unquantized``: a rule
+    (`annot.by_name`, `annot.by_class`, ...) whose modules keep their linears in the
+    model's dtype: a linear inside a selected module (a LoRA layer's ``base_layer``
+    inside the selected ``o_proj``) or selected itself; text is parsed as ``annot plan``'s
+    rules are (`annot.policies.parse_rule`)."""
     names = {id(tensor): name for name, tensor in state_names(model).items()}
     output_embeddings = getattr(model, "get_output_embeddings", None)
     head = output_embeddings() if callable(output_embeddings) else None
     routers = _routers(model)
+    if isinstance(unquantized, str):
+        unquantized = parse_rule(unquantized)
+    elif unquantized is not None and not isinstance(unquantized, Rule):
+        raise TypeError(f"unquantized= takes a rule (annot.by_name(...), ...) or its text, not "
+                        f"{type(unquantized).__name__}")
+    chosen_by_rule = unquantized.select(ModelIndex(model)) if unquantized is not None else {}
     quantized: list[str] = []
     kept: dict[str, str] = {}
     for path, module in model.named_modules():
         if not isinstance(module, nn.Linear) or module.weight.requires_grad:
             continue
         name = names.get(id(module.weight), f"{path}.weight")
-        reason = _kept_because(module, path, head, routers, shards)
+        ruled = next((prefix for prefix in _prefixes(f"{path}.weight") if prefix in chosen_by_rule), None)
+        reason = (f"unquantized={unquantized} selects {ruled or '(the model)'}" if ruled is not None
+                  else _kept_because(module, path, head, routers, shards))
         if reason is None:
             quantized.append(name)
         else:
@@ -127,6 +145,31 @@ def choose_linears(model: nn.Module, shards: int = 1) -> QuantizedLinears:
         if tensor.dim() >= 3 and isinstance(tensor, nn.Parameter) and not tensor.requires_grad:
             kept[name] = f"a stacked {tensor.dim()}-D weight (fused experts): only linears are quantized"
     return QuantizedLinears(tuple(quantized), kept)
+
+
+def quantized_plan(plan: Any, model: nn.Module, linears: QuantizedLinears) -> Any:
+    """``plan`` (an `annot.Plan` of ``model``) with each unit's and the root's count of
+    quantized parameters (``linears.quantized``): the Plan table's ``quantized`` column.
+    A weight belongs to the unit whose module path is the longest prefix of its name."""
+    sizes = {name: tensor.numel() for name, tensor in state_names(model).items()}
+    paths = {path: index for index, unit in enumerate(plan.units) for path in unit.modules}
+    counts = [0] * len(plan.units)
+    root = 0
+    for name in linears.quantized:
+        owner = next((paths[prefix] for prefix in _prefixes(name) if prefix in paths), None)
+        if owner is None:
+            root += sizes[name]
+        else:
+            counts[owner] += sizes[name]
+    units = tuple(dataclasses.replace(unit, quantized=count) for unit, count in zip(plan.units, counts,
+                                                                                  strict=True))
+    return dataclasses.replace(plan, units=units, root=dataclasses.replace(plan.root, quantized=root))
+
+
+def _prefixes(name: str) -> list[str]:
+    """``"a.b.c.weight"`` -> ``["a.b.c", "a.b", "a", ""]``: its modules, deepest first."""
+    parts = name.split(".")[:-1]
+    return [".".join(parts[:end]) for end in range(len(parts), -1, -1)]
 
 
 def _routers(model: nn.Module) -> set[str]:
@@ -211,3 +254,37 @@ class _Quantizer:
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, attribute = name.rpartition(".")
     return model.get_submodule(path), attribute
+
+
+#: nn.Module's dtype casts: each would dequantize every NF4 weight into a dense copy.
+_CASTS = ("half", "float", "double", "bfloat16")
+
+
+def refuse_dtype_casts(model: nn.Module) -> None:
+    """Make ``model.to(dtype)`` (and ``half()``, ``float()``, ``double()``,
+    ``bfloat16()``) on a model with quantized weights raise, naming the fix. torchao's
+    ``NF4Tensor`` answers a cast with its dequantized weight, so ``nn.Module`` would
+    swap every 4-bit weight for a dense one (four to eight times its memory; under FSDP2
+    a parameter its engine no longer knows) and train on: no error, the reason for
+    quantizing gone. ``to(device)`` stays as it was. Set on ``model`` itself (the
+    module the user holds), as transformers refuses ``to`` on its bitsandbytes models;
+    a submodule's own ``to`` is not guarded."""
+    module_to = model.to
+
+    def to(*args: Any, **kwargs: Any) -> Any:
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None:
+            _refuse_cast(f"to({dtype})")
+        return module_to(*args, **kwargs)
+
+    object.__setattr__(model, "to", to)
+    for cast in _CASTS:
+        object.__setattr__(model, cast, lambda *_, name=cast: _refuse_cast(f"{name}()"))
+
+
+def _refuse_cast(call: str) -> None:
+    raise TypeError(
+        f"model.{call} on a model with NF4-quantized weights would replace each with a dense "
+        "dequantized copy: choose the dtype when loading (annot.from_pretrained(..., "
+        "torch_dtype=...), which the quantized weights dequantize to), or compute in another "
+        "dtype with mixed_precision=...")

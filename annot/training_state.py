@@ -44,6 +44,7 @@ from annot.engines.rng_state import rng_states, set_rng_states
 from annot.engines.training_state import TorchState
 from annot.errors import CheckpointError
 from annot.process_group import barrier, rank_and_world
+from annot.quantized_tensors import is_quantized, quantization_of
 
 __all__ = ["PendingSave", "ResumedState", "latest_state", "load_state", "save_state"]
 
@@ -177,6 +178,7 @@ def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step:
         "extra": _json_checked(extra or {}, "extra"),
         # fp16 loss scaling: the scale and the skipped steps (None without a scaler).
         "loss_scaler": _json_checked(trainable.loss_scaler_state(), "the loss scaler's state"),
+        "quantized_base": quantized_base(trainable.model),
     }
     data_state = (_json_checked(data.state_dict(), f"the data position ({type(data).__name__})")
                   if data is not None else None)
@@ -285,6 +287,7 @@ def load_state(directory: str | os.PathLike[str], trainable: Trainable, *,
     if info.get("format") != FORMAT or info.get("version") != VERSION:
         raise CheckpointError(f"{path / STATE_FILE}: format {info.get('format')!r} version "
                               f"{info.get('version')!r}, this annot reads {FORMAT!r} {VERSION}")
+    _check_quantized_base(path, info.get("quantized_base"), quantized_base(trainable.model))
     if data is not None:  # first: a loader built for another order fails before the load
         data.load_state_dict(_data_state(path, info))
     metadata = read_metadata(path)
@@ -339,6 +342,46 @@ def _data_state(path: Path, info: dict[str, Any]) -> Any:
             f"they cannot be spread over {world} ranks; resume on {info['world_size']} ranks, or "
             "use a loader whose position is global (annot.ResumableLoader)")
     return states[0]
+
+
+def quantized_base(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The quantized weights of ``model`` (a QLoRA base) and the settings they were made
+    with, as JSON data, or None when it has none. Those weights are not saved (the
+    engines' states leave them out): a resumed run rebuilds its base from the model's
+    checkpoint, so it must quantize the same weights the same way."""
+    # Parameters, not state_dict(): an FSDP1 unit's state_dict() would start the
+    # engine's lazy setup with that unit as its root.
+    weights = {name: quantization_of(tensor) for name, tensor in model.named_parameters()
+               if is_quantized(tensor)}
+    if not weights:
+        return None
+    settings = next(iter(weights.values()))
+    if any(value != settings for value in weights.values()):
+        raise CheckpointError("the quantized weights of this model differ in their settings: "
+                              + ", ".join(sorted({json.dumps(v, sort_keys=True) for v in weights.values()})))
+    return {**settings, "weights": sorted(weights)}
+
+
+def _check_quantized_base(path: Path, saved: dict[str, Any] | None, current: dict[str, Any] | None) -> None:
+    """Refuse to resume a run whose base was quantized otherwise than this model's: its
+    adapters were trained against other weights."""
+    if saved == current:
+        return
+    if saved is None or current is None:
+        raise CheckpointError(
+            f"{path} was saved from a model {'with' if current is None else 'without'} a quantized "
+            f"base, and this model has {'none' if current is None else 'one'}: build it as the "
+            "saving run did (the same quantize= of annot.from_pretrained)")
+    differ = [key for key in sorted(saved.keys() | current.keys())
+              if key != "weights" and saved.get(key) != current.get(key)]
+    saved_names, names = set(saved.get("weights", ())), set(current.get("weights", ()))
+    detail = [f"{key}: saved {saved.get(key)!r}, now {current.get(key)!r}" for key in differ]
+    if saved_names != names:
+        detail.append(f"quantized weights: {len(saved_names - names)} only in the saved run "
+                      f"({', '.join(sorted(saved_names - names)[:3])}), {len(names - saved_names)} "
+                      f"only in this one ({', '.join(sorted(names - saved_names)[:3])})")
+    raise CheckpointError(f"{path}: the quantized base differs from this model's ({'; '.join(detail)}): "
+                          "resume with the saving run's model, dtype and quantize= settings")
 
 
 def _flat_keys(state: dict[str, Any], prefix: str = "") -> set[str]:

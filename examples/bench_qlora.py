@@ -1,27 +1,31 @@
-"""QLoRA on FSDP2: annot's one call against torchao's NF4 wired by hand, and against bf16 LoRA.
+"""QLoRA on FSDP2: annot's one call against torchao's NF4 wired by hand, and against LoRA
+on the unquantized base.
 
-    python examples/bench_qlora.py [--dir DIR] [--ranks 2] [--steps 3] [--ways annot,hand,bf16]
+    python examples/bench_qlora.py [--dir DIR] [--ranks 2] [--steps 3] [--dtype bfloat16]
+                                   [--ways annot,hand,full]
 
-Each way is one torchrun launch of ``--ranks`` CPU ranks (gloo), the model in bf16 with
-LoRA (r=8) on every block linear, imports done before the clock:
+Each way is one torchrun launch of ``--ranks`` CPU ranks (gloo), the model in ``--dtype``
+with LoRA (r=8) on every block linear, imports done before the clock:
 
 - ``annot``: ``annot.from_pretrained(DIR, "fsdp2", peft_config=..., quantize="nf4",
-  torch_dtype=torch.bfloat16)``: each frozen block linear read whole and quantized to NF4
-  unit by unit as FSDP2 shards the model, everything else read shard by shard;
+  torch_dtype=DTYPE)``: each frozen block linear read whole and quantized to NF4
+  unit by unit as FSDP2 shards the model, everything else read shard by shard; with
+  ``checkpoint=False``, as the hand-wired way checkpoints nothing;
 - ``hand``: what a user wires with torchao and torch: transformers' ``from_pretrained`` in
-  bf16 on every rank, ``peft.get_peft_model``, ``torchao.quantization.to_nf4`` of the same
+  DTYPE on every rank, ``peft.get_peft_model``, ``torchao.quantization.to_nf4`` of the same
   frozen linears (the choice `annot.quantization.choose_linears` makes), then
   ``fully_shard`` on every decoder layer and the root;
-- ``bf16``: ``annot.from_pretrained(DIR, "fsdp2", peft_config=..., torch_dtype=torch.bfloat16)``,
+- ``full``: ``annot.from_pretrained(DIR, "fsdp2", peft_config=..., torch_dtype=DTYPE)``,
   no quantization.
 
 Per rank: the load's time, its peak resident memory above the process's footprint before
 the load (``ru_maxrss`` less ``VmRSS`` at the start), the bytes the rank keeps (an NF4
 weight's packed bytes and scales; every other tensor's own), the largest checkpoint tensor
-in bf16, and their ratio; then the median time of ``--steps`` AdamW steps after one
+in DTYPE, and their ratio; then the median time of ``--steps`` AdamW steps after one
 untimed step (one sequence of 64 tokens per rank). Without ``--dir`` it saves a Llama of
 TinyLlama's width with 2 layers (0.22B parameters, 0.41 GiB in bf16) into a temporary
-folder. On a CPU the steps are slow (bfloat16 matrix products on one thread per rank).
+folder. On a CPU, bfloat16 steps are slow (torch's CPU build multiplies bfloat16 matrices
+in a generic loop here, about a minute a step); ``--dtype float32`` steps in seconds.
 """
 
 from __future__ import annotations
@@ -38,10 +42,10 @@ import time
 from pathlib import Path
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-WAYS = ("annot", "hand", "bf16")
+WAYS = ("annot", "hand", "full")
 LABELS = {"annot": "annot.from_pretrained(..., quantize='nf4')",
           "hand": "torchao to_nf4 + fully_shard, by hand",
-          "bf16": "annot.from_pretrained(...), bf16 LoRA"}
+          "full": "annot.from_pretrained(...), LoRA, not quantized"}
 
 
 def _rss() -> int:
@@ -66,7 +70,7 @@ def _kept_bytes(model) -> int:
     return total
 
 
-def _largest_bf16(directory: str) -> int:
+def _largest(directory: str, itemsize: int) -> int:
     from safetensors import safe_open
 
     largest = 0
@@ -76,11 +80,11 @@ def _largest_bf16(directory: str) -> int:
                 numel = 1
                 for size in handle.get_slice(key).get_shape():
                     numel *= size
-                largest = max(largest, 2 * numel)
+                largest = max(largest, itemsize * numel)
     return largest
 
 
-def _hand_wired(directory: str):
+def _hand_wired(directory: str, dtype):
     import peft
     import torch
     import transformers
@@ -89,7 +93,7 @@ def _hand_wired(directory: str):
 
     from annot.quantization import choose_linears
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     model = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=TARGETS))
     import torch.distributed as dist
 
@@ -104,7 +108,7 @@ def _hand_wired(directory: str):
     return model
 
 
-def worker(way: str, directory: str, steps: int) -> None:
+def worker(way: str, directory: str, steps: int, dtype_name: str) -> None:
     import importlib
 
     import peft
@@ -114,6 +118,7 @@ def worker(way: str, directory: str, steps: int) -> None:
 
     import annot
 
+    dtype = getattr(torch, dtype_name)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for module in ("torchao.quantization", "annot.huggingface.pretrained", "annot.wrap",
@@ -123,9 +128,11 @@ def worker(way: str, directory: str, steps: int) -> None:
     dist.barrier()
     start_rss, started = _rss(), time.perf_counter()
     if way == "hand":
-        model = _hand_wired(directory)
+        model = _hand_wired(directory, dtype)
     else:
-        model = annot.from_pretrained(directory, "fsdp2", torch_dtype=torch.bfloat16,
+        # checkpoint=False: the hand-wired way checkpoints nothing, and the steps compared
+        # must do the same arithmetic (annot's default recomputes each block's forward).
+        model = annot.from_pretrained(directory, "fsdp2", torch_dtype=dtype, checkpoint=False,
                                       peft_config=peft.LoraConfig(r=8, target_modules=TARGETS),
                                       quantize="nf4" if way == "annot" else None)
     dist.barrier()
@@ -146,7 +153,7 @@ def worker(way: str, directory: str, steps: int) -> None:
         if step:  # the first step allocates the optimizer's state
             times.append(time.perf_counter() - began)
     row = {"rank": rank, "load": load_seconds, "above": peak - start_rss, "kept": _kept_bytes(model),
-           "largest": _largest_bf16(directory), "step": statistics.median(times)}
+           "largest": _largest(directory, dtype.itemsize), "step": statistics.median(times)}
     rows: list = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -165,10 +172,10 @@ def save_model(directory: Path) -> None:
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
 
 
-def launch(way: str, directory: Path, ranks: int, steps: int) -> list[dict]:
+def launch(way: str, directory: Path, ranks: int, steps: int, dtype: str) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-           __file__, "--worker", way, "--dir", str(directory), "--steps", str(steps)]
+           __file__, "--worker", way, "--dir", str(directory), "--steps", str(steps), "--dtype", dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -181,11 +188,13 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, help="a transformers Llama folder (default: one saved here)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the model's dtype (the checkpoint is saved in bfloat16)")
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, str(args.dir), args.steps)
+        worker(args.worker, str(args.dir), args.steps, args.dtype)
         return
     ways = args.ways.split(",")
     unknown = set(ways) - set(WAYS)
@@ -196,8 +205,8 @@ def main() -> None:
         if directory is None:
             directory = Path(scratch) / "llama"
             save_model(directory)
-        results = {way: launch(way, directory, args.ranks, args.steps) for way in ways}
-    print(f"{args.ranks} CPU ranks, {directory}; per rank (the slower rank's figures):")
+        results = {way: launch(way, directory, args.ranks, args.steps, args.dtype) for way in ways}
+    print(f"{args.ranks} CPU ranks, {args.dtype}, {directory}; per rank (the slower rank's figures):")
     print(f"{'way':45s} {'load':>7s} {'above start':>12s} {'kept':>9s} {'largest':>9s} "
           f"{'above / (kept + largest)':>25s} {'step':>8s}")
     for way, rows in results.items():

@@ -53,6 +53,9 @@ class Unit:
     #: The part of the model the unit belongs to (`annot.policies.roles`: ``"vision"``,
     #: ``"projector"``, ``"language"``, ``"encoder"``, ...), ``None`` in a model of one part.
     role: str | None = None
+    #: How many of ``params`` a quantized base holds quantized (QLoRA's NF4 linears);
+    #: ``None``: no quantization was asked.
+    quantized: int | None = None
 
     def __post_init__(self) -> None:
         if self.checkpoint_policy is not None and self.checkpoint_policy not in CHECKPOINT_POLICIES:
@@ -88,6 +91,8 @@ class Unit:
             out["offload_activations"] = True
         if self.role is not None:
             out["role"] = self.role
+        if self.quantized is not None:
+            out["quantized"] = self.quantized
         return out
 
     @classmethod
@@ -105,6 +110,7 @@ class Unit:
             checkpoint_policy=data.get("checkpoint_policy"),
             offload_activations=bool(data.get("offload_activations", False)),
             role=data.get("role"),
+            quantized=None if data.get("quantized") is None else int(data["quantized"]),
         )
 
 
@@ -116,12 +122,15 @@ class RootInfo:
     bytes: dict[str, int]
     modules: tuple[str, ...]  # modules holding parameters directly in the root group
     trainable: int | None = None  # how many of ``params`` require grad
+    quantized: int | None = None  # how many of ``params`` are quantized (None: not asked)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "params": self.params, "bytes": dict(self.bytes), "modules": list(self.modules)}
         if self.trainable is not None:
             out["trainable"] = self.trainable
+        if self.quantized is not None:
+            out["quantized"] = self.quantized
         return out
 
     @classmethod
@@ -131,6 +140,7 @@ class RootInfo:
             bytes={str(k): int(v) for k, v in data.get("bytes", {}).items()},
             modules=tuple(data.get("modules", ())),
             trainable=None if data.get("trainable") is None else int(data["trainable"]),
+            quantized=None if data.get("quantized") is None else int(data["quantized"]),
         )
 
 
@@ -247,6 +257,11 @@ class Plan:
             trainable = [u.trainable for _, _, _, u in _rows(self.units, collapse)] + [self.root.trainable]
             header = (*header[:4], "trainable", *header[4:])
             rows = [(*r[:4], _trainable_cell(n), *r[4:]) for r, n in zip(rows, trainable, strict=True)]
+        if self.root.quantized is not None:  # a quantized base: how much of each unit is
+            quantized = [u.quantized for _, _, _, u in _rows(self.units, collapse)] + [self.root.quantized]
+            at = header.index("size")
+            header = (*header[:at], "quantized", *header[at:])
+            rows = [(*r[:at], _quantized_cell(n), *r[at:]) for r, n in zip(rows, quantized, strict=True)]
         if any(u.role is not None for u in self.units):  # a model of several parts: say which
             unit_roles = [u.role or "" for _, _, _, u in _rows(self.units, collapse)] + [self.root_role or ""]
             header = (*header[:2], "role", *header[2:])
@@ -291,6 +306,10 @@ class Plan:
         return mixed + (["(root)"] if len(self.root.bytes) > 1 else [])
 
 
+def _quantized_cell(quantized: int | None) -> str:
+    return "-" if not quantized else format_count(quantized)
+
+
 def _trainable_cell(trainable: int | None) -> str:
     return "?" if trainable is None else ("frozen" if trainable == 0 else format_count(trainable))
 
@@ -308,9 +327,9 @@ def _indexed(path: str) -> tuple[str, int] | None:
 def _same_but_path(a: Unit, b: Unit) -> bool:
     return not a.group and not b.group and (
         (a.cls, a.params, a.trainable, a.bytes, a.actions, a.offload_to, a.reason,
-         a.checkpoint_policy, a.offload_activations, a.role)
+         a.checkpoint_policy, a.offload_activations, a.role, a.quantized)
         == (b.cls, b.params, b.trainable, b.bytes, b.actions, b.offload_to, b.reason,
-            b.checkpoint_policy, b.offload_activations, b.role)
+            b.checkpoint_policy, b.offload_activations, b.role, b.quantized)
     )
 
 

@@ -66,6 +66,16 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="shard modules sharing a parameter as one unit instead of failing")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="cast the (meta) model before planning, e.g. bfloat16 weights")
+    p.add_argument("--lora", type=int, metavar="RANK",
+                   help="LoRA of rank RANK on every linear but the output layer (PEFT's "
+                        "'all-linear'), the base frozen: what fine-tuning keeps in memory")
+    p.add_argument("--quantize", choices=("nf4",),
+                   help="with --lora: the frozen base quantized as from_pretrained(..., "
+                        "quantize='nf4') does it (QLoRA; needs torchao): which linears, and "
+                        "with --memory their bytes (FSDP2 rows only)")
+    p.add_argument("--unquantized", metavar="RULE",
+                   help="with --quantize: modules whose linears stay in the model's dtype "
+                        "(a rule, e.g. 'name:**.o_proj')")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
     p.add_argument("--parallel", metavar="DIMS",
                    help="parallel dimensions, e.g. replicate=2,shard=-1 (HSDP: 2 replicas, each "
@@ -222,7 +232,15 @@ def _run_plan(args: argparse.Namespace) -> int:
                                  ("offload", args.offload))
             if text is not None
         }
-        model = build_target(args.target, options, dtype=args.dtype)
+        if args.unquantized is not None and args.quantize is None:
+            raise ValueError("--unquantized goes with --quantize")
+        if args.quantize is not None and args.lora is None:
+            raise ValueError("--quantize quantizes a frozen base: add --lora RANK")
+        if args.quantize is not None and (args.budget is not None or args.fit):
+            raise ValueError("--quantize is priced by --memory alone for now, not by --budget or --fit")
+        if args.lora is not None and args.fit:
+            raise ValueError("--fit rebuilds the model at each size without --lora: leave one out")
+        model = _with_lora(build_target(args.target, options, dtype=args.dtype), args.lora)
 
         def plan_of(model):
             # annot.plan: make_plan plus the notes the model's builder left (pitfall 46).
@@ -246,6 +264,15 @@ def _run_plan(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 raise ValueError(f"--parallel on --gpus {args.gpus} x --nodes {args.nodes}: {exc}") from None
             plan = replace(plan, parallel=dims)
+        quantized = None
+        if args.quantize is not None:
+            from annot.quantization import choose_linears, quantized_plan
+
+            world = args.gpus * args.nodes
+            linears = choose_linears(model, world, args.unquantized)
+            plan = quantized_plan(plan, model, linears)
+            quantized = (f"on {world} rank{'s' if world > 1 else ''} (--gpus x --nodes), "
+                         + linears.describe().replace("\n", "; "))
     except PlanError as exc:
         for line in str(exc).splitlines():
             print(f"annot plan: invalid plan: {line}", file=sys.stderr)
@@ -259,6 +286,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         return 2
     if not args.memory:
         print(plan.to_json() if args.json else plan.table(collapse=not args.full))
+        if quantized is not None and not args.json:
+            print(f"note: {quantized}")
         return 0
     if args.fit:
         return _run_fit(args, model, options, plan_of, gpu_mem, host_mem, reserve)
@@ -288,6 +317,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             inter_node_bw=given(args.inter_node_bw, INTER_NODE_BW), tflops=given(args.tflops, TFLOPS),
             cp=cp_sizes(args.cp), cp_attention=args.cp_attention,
             deepspeed_config=args.deepspeed_config, gpu=args.gpu, media=media_sizes(args),
+            quantize=args.quantize, unquantized=args.unquantized,
         )
 
     notes: list[str] = []
@@ -330,6 +360,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         report, note = retried
         notes.append(note)
     notes += _unpriced(plan)
+    if quantized is not None:
+        notes.append(quantized)
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "memory": report.to_dict(), "notes": notes}, indent=2))
     else:
@@ -339,6 +371,21 @@ def _run_plan(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"note: {note}")
     return 0
+
+
+def _with_lora(model, rank: int | None):
+    """``model`` with LoRA of rank ``rank`` on every linear but the output layer, its
+    base frozen (PEFT's ``get_peft_model``); ``model`` itself for ``rank=None``."""
+    if rank is None:
+        return model
+    if rank < 1:
+        raise ValueError(f"--lora must be at least 1, got {rank}")
+    try:
+        import peft
+    except ImportError:
+        raise ValueError("--lora needs PEFT: pip install peft") from None
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank,
+                                                      target_modules="all-linear"))
 
 
 #: The shortest sequence `_shorter_default_seq` tries.

@@ -187,3 +187,26 @@ def refuse_scalar_parameters(model: nn.Module, engine: str) -> None:
             f"{'has' if len(scalars) == 1 else 'have'} no dimension, and FSDP2 shards every "
             "parameter along its first. Train it with engine='fsdp1' or 'deepspeed' (they "
             "flatten parameters) or 'ddp', or make the parameter one-dimensional (shape (1,)).")
+
+
+#: bitsandbytes' quantized parameter classes (4-bit and 8-bit).
+_BITSANDBYTES_PARAMETERS = ("Params4bit", "Int8Params")
+
+
+def refuse_bitsandbytes_parameters(model: nn.Module, engine: str) -> None:
+    """Raise `EngineNotAvailableError` for a model holding bitsandbytes' quantized
+    parameters (a transformers model loaded with ``BitsAndBytesConfig``) on FSDP2: FSDP2
+    moves parameters through its own copies, which drop the ``quant_state`` that
+    bitsandbytes keeps on the parameter and canonicalise bf16 NaN bit patterns that
+    about 0.1% of packed NF4 bytes look like (bitsandbytes #1945): it trains, silently
+    wrong. Checked by class name, so nothing imports bitsandbytes."""
+    found = [name for name, param in model.named_parameters()
+             if type(param).__name__ in _BITSANDBYTES_PARAMETERS
+             and type(param).__module__.startswith("bitsandbytes")]
+    if found:
+        raise EngineNotAvailableError(
+            f"{type(model).__name__} holds bitsandbytes quantized parameters ({_first(found, 3)}), "
+            f"which {engine} does not shard correctly (it drops their quantization state and "
+            "alters packed bytes: bitsandbytes #1945). Load the full-precision checkpoint with "
+            "annot.from_pretrained(..., peft_config=..., quantize='nf4'): torchao's NF4, whose "
+            "all-gather moves the packed bytes untouched.")

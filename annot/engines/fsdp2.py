@@ -52,7 +52,11 @@ from annot.engines.base import (
     resolve_dtype,
     resolve_torch_offload,
 )
-from annot.engines.checks import refuse_computing_outside_forward, refuse_scalar_parameters
+from annot.engines.checks import (
+    refuse_bitsandbytes_parameters,
+    refuse_computing_outside_forward,
+    refuse_scalar_parameters,
+)
 from annot.engines.dtypes import refuse_fsdp2_dtypes
 from annot.engines.fsdp2_experts import ExpertLayout, check_expert_parallel, shard_experts
 from annot.engines.mesh import (
@@ -178,6 +182,7 @@ class FSDP2(Engine[FSDP2Options]):
         refuse_fsdp2_dtypes(model, plan)
         refuse_computing_outside_forward(model, self.name)
         refuse_scalar_parameters(model, self.name)
+        refuse_bitsandbytes_parameters(model, self.name)
         mesh = resolve_mesh(options.mesh, plan.parallel, request.device.type, self.name,
                             expert_parallel=True)
         dims = requested_dims(options.mesh, plan.parallel)

@@ -31,6 +31,7 @@ from annot.checkpoint_io.loading import state_names
 from annot.engines.base import EngineState, Reader, Trainable
 from annot.errors import CheckpointError
 from annot.meta.layout import ShardLayout
+from annot.quantized_tensors import is_quantized
 
 __all__ = [
     "EngineState", "FlatState", "Reader", "TorchState", "groups_from_json", "groups_to_json",
@@ -49,21 +50,37 @@ class TorchState:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        return ({"model": model_sd, "optim": {"state": optim_sd["state"]}},
+        return ({"model": _without_quantized(model_sd), "optim": {"state": optim_sd["state"]}},
                 groups_to_json(cast("list[dict[str, Any]]", optim_sd["param_groups"])), {})
 
     def load(self, read: Reader, keys: dict[str, Any], param_groups: list[dict[str, Any]],
              engine_extras: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_state_dict,
+        )
 
         # get_state_dict creates the optimizer's state if it has none yet (a step with
         # zero gradients and lr 0), so there is something to read into.
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        before = len(model_sd)
         optim_sd["param_groups"] = groups_from_json(
             param_groups, cast("list[dict[str, Any]]", optim_sd["param_groups"]))
+        model_sd = _without_quantized(model_sd)
         read({"model": model_sd, "optim": {"state": optim_sd["state"]}})
+        # A quantized base is left out (it is rebuilt from its checkpoint): not strict.
         set_state_dict(self.module, self.optimizer, model_state_dict=model_sd,
-                       optim_state_dict=optim_sd)
+                       optim_state_dict=optim_sd,
+                       options=StateDictOptions(strict=len(model_sd) == before))
+
+
+def _without_quantized(model_sd: dict[str, Any]) -> dict[str, Any]:
+    """``model_sd`` less its quantized weights (a QLoRA base, `annot.quantization`): the
+    frozen base is rebuilt from its own checkpoint on resume, and DCP cannot load into
+    the packed tensor type (docs/design.md, pitfall 67); `annot.training_state` records
+    their settings and checks them."""
+    return {name: value for name, value in model_sd.items() if not is_quantized(value)}
 
 
 class FlatState:

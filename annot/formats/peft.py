@@ -20,6 +20,7 @@ from annot.checkpoint_io.entries import Entry, entry, full_shape, full_tensor
 from annot.checkpoint_io.formats import CheckpointFormat, FileNames, KeyMap, Sources
 from annot.errors import CheckpointError
 from annot.meta.layout import ShardLayout
+from annot.quantized_tensors import dequantized, is_quantized
 
 __all__ = ["ADAPTER_FILES", "PeftAdapterExport", "PeftBaseFormat", "PeftMergedExport",
            "peft_base_name", "peft_copy_sources", "peft_names"]
@@ -162,7 +163,9 @@ def adapter_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
 def merged_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
                    layout: ShardLayout) -> list[Entry]:
     """The base model's tensors under its own names, each LoRA ``base_layer.weight``
-    with ``scaling * B @ A`` added (PEFT's ``get_delta_weight``)."""
+    with ``scaling * B @ A`` added (PEFT's ``get_delta_weight``). A quantized base weight
+    (QLoRA) is dequantized to its dtype first, each rank its own rows: the merge is into
+    the weights the adapters were trained against, not the checkpoint's originals."""
     peft_model: Any = layout.bare_model(model)  # a PeftModel: PEFT's own attributes
     adapter = _active_adapter(peft_model)
     entries = []
@@ -170,6 +173,9 @@ def merged_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
         if ".lora_" in name or ".original_module." in name:
             continue  # adapters are merged in; a modules_to_save copy replaces its original
         plain = entry(peft_base_name(name, adapter), tensor, layout)
+        if is_quantized(tensor):  # no rows of its own a checkpoint can hold: computed
+            plain = dataclasses.replace(plain, fetch=_dequantized_weight(tensor, layout),
+                                        source=None, layout=None)
         if name.endswith(".base_layer.weight"):
             lora = peft_model.get_submodule(name.removesuffix(".base_layer.weight"))
             # A computed value has no rows of its own to write: ``source=None`` makes a
@@ -179,6 +185,12 @@ def merged_entries(model: nn.Module, tensors: dict[str, torch.Tensor],
                                         source=None, layout=None)
         entries.append(plain)
     return entries
+
+
+def _dequantized_weight(weight: torch.Tensor, layout: ShardLayout) -> Callable[[], torch.Tensor]:
+    """``fetch`` for a quantized weight no adapter is merged into: the whole of it,
+    dequantized."""
+    return lambda: full_tensor(dequantized(weight), layout)
 
 
 def _active_adapter(peft_model: Any) -> str:
@@ -203,7 +215,7 @@ def _merged_weight(lora: Any, weight: torch.Tensor, adapter: str, layout: ShardL
 
     def fetch() -> torch.Tensor:
         # The same three gathers in the same order on every rank.
-        full = full_tensor(weight, layout)
+        full = full_tensor(dequantized(weight), layout)
         delta = full_tensor(b.weight, layout).float() @ full_tensor(a.weight, layout).float()
         delta = (delta.T if fan_in_fan_out else delta) * scaling
         return (full.float() + delta).to(full.dtype)

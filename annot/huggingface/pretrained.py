@@ -49,6 +49,7 @@ def from_pretrained(
     component: str | None = None,
     freeze: Sequence[str] | str | None = None,
     quantize: str | None = None,
+    unquantized: Any = None,
     **auto_wrap_options: Any,
 ) -> Any:
     """Load the transformers or diffusers model saved in the local directory ``path``,
@@ -106,7 +107,8 @@ def from_pretrained(
     why some stay in ``torch_dtype``, is logged). The base must be frozen by
     ``peft_config`` or ``freeze``; ``engine`` must be ``"fsdp2"`` or ``None`` (the others
     are refused by name), without ``mesh=`` (the ranks FSDP2 splits over are then every
-    rank).
+    rank). ``unquantized``: a rule (`annot.by_name`, `annot.by_class`, ... or its text,
+    ``"o_proj"``) whose modules keep their frozen linears in ``torch_dtype``.
 
     ``engine=None`` returns the bare model, loaded and in eval mode like transformers'
     ``from_pretrained`` (no process group needed). With an engine the model is in training
@@ -122,6 +124,9 @@ def from_pretrained(
     path = model_folder(path, component)
     if engine is None and auto_wrap_options:  # before the build: a mistake costs no load
         raise ValueError(f"engine=None takes no auto_wrap options, got {', '.join(auto_wrap_options)}")
+    if unquantized is not None and quantize is None:
+        raise ValueError("unquantized= says which linears a quantized base keeps in its dtype: "
+                         "pass quantize='nf4' too")
     if quantize is not None:
         _refuse_quantize(quantize, engine, mmap, auto_wrap_options)
     model = build_pretrained(path, torch_dtype=torch_dtype, trust_remote_code=trust_remote_code,
@@ -132,13 +137,25 @@ def from_pretrained(
         _freeze(model, freeze)
     source = checkpoint_source(model, path)
     if quantize is not None:
-        source = _quantize(model, source, engine, auto_wrap_options.get("device"))
+        source = _quantize(model, source, engine, auto_wrap_options.get("device"), unquantized)
     if engine is None:
         from annot.checkpoint_io.loading import load_source
 
         load_source(model, source, None, mmap=mmap)
-        return model.eval()
-    return auto_wrap(model.train(), engine, load_from=source, mmap=mmap, **auto_wrap_options)
+        return _guarded(model.eval(), quantize)
+    return _guarded(auto_wrap(model.train(), engine, load_from=source, mmap=mmap, **auto_wrap_options),
+                    quantize)
+
+
+def _guarded(loaded: Any, quantize: str | None) -> Any:
+    """``loaded`` (the model, or the `Trainable` holding it), the model's dtype casts
+    refused when its base is quantized (`annot.quantization.refuse_dtype_casts`)."""
+    if quantize is not None:
+        from annot.engines.base import Trainable
+        from annot.quantization import refuse_dtype_casts
+
+        refuse_dtype_casts(loaded.model if isinstance(loaded, Trainable) else loaded)
+    return loaded
 
 
 def _refuse_quantize(quantize: str, engine: str | None, mmap: bool, options: dict[str, Any]) -> None:
@@ -156,7 +173,7 @@ def _refuse_quantize(quantize: str, engine: str | None, mmap: bool, options: dic
 
 
 def _quantize(model: nn.Module, source: CheckpointSource, engine: str | None,
-              device: torch.device | str | None) -> CheckpointSource:
+              device: torch.device | str | None, unquantized: Any) -> CheckpointSource:
     """Quantize ``model``'s frozen linears from ``source`` (`annot.quantization`) for
     ``engine``'s ranks, on the device the engine computes on (a GPU quantizes a weight
     in milliseconds, a CPU rank in about a second per 4M weights); refuses a model with
@@ -167,7 +184,7 @@ def _quantize(model: nn.Module, source: CheckpointSource, engine: str | None,
     from annot.quantization import choose_linears, quantize_on_load
 
     shards = dist.get_world_size() if engine is not None and dist.is_initialized() else 1
-    linears = choose_linears(model, shards)
+    linears = choose_linears(model, shards, unquantized)
     if not linears.quantized:
         raise ValueError(
             "quantize='nf4' quantizes frozen linears, and this model has none that can be: "

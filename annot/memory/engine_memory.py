@@ -13,10 +13,12 @@ counted 2-rank CPU runs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 from annot.engines.deepspeed_config import PERSISTENCE_THRESHOLD
 from annot.memory.activations import StepTrace
+from annot.memory.quantized_base import QuantizedCosts
 from annot.memory.strategies import MemoryInputError, Strategy
 from annot.memory.user_config import ZERO_DEFAULTS
 
@@ -48,6 +50,29 @@ class ModelFacts:
     trainable: int | None = None
     unit_trainable: tuple[int, ...] | None = None
     root_trainable: int | None = None
+    #: A quantized frozen base (QLoRA): how many weights are quantized, in each unit and
+    #: outside the units, and what each holds (`annot.memory.quantized_base`; the
+    #: transient of dequantizing one is in the traced step, where it happens).
+    unit_quantized: tuple[int, ...] | None = None
+    root_quantized: int = 0
+    quantized_costs: QuantizedCosts | None = None
+
+    @property
+    def quantized(self) -> int:
+        return sum(self.unit_quantized or ()) + self.root_quantized
+
+    def unit_quantized_count(self, index: int) -> int:
+        """Unit ``index``'s quantized weights (0 outside the units)."""
+        if self.unit_quantized is None or not 0 <= index < len(self.unit_quantized):
+            return 0
+        return self.unit_quantized[index]
+
+    def stored(self, params: int, quantized: int, per_param: int) -> int:
+        """The bytes of ``params`` parameters of which ``quantized`` are quantized, the
+        others ``per_param`` bytes each."""
+        if not quantized or self.quantized_costs is None:
+            return params * per_param
+        return (params - quantized) * per_param + round(quantized * self.quantized_costs.stored)
 
     @property
     def largest_unit(self) -> int:
@@ -211,43 +236,49 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     # reduce-scatter input exist. Without resharding a unit stays gathered from its
     # forward to its backward.
     off = HOST if strategy.offload_params else ""
-    static = {f"{off}sharded parameters + optimizer": shard * b["param"] + trained_shard * states}
+    # A quantized base (FSDP2 only: QLoRA) shards, gathers and keeps its packed bytes.
+    stored = -(-facts.stored(P, facts.quantized, b["param"]) // n)
+    static = {f"{off}sharded parameters + optimizer": stored + trained_shard * states}
     reshard = strategy.stage == 3
+
+    def gathered_bytes(i: int) -> int:
+        return facts.stored(unit(i), facts.unit_quantized_count(i), b["compute"])
+
     order = [u for ph, u, _, _ in segments if ph == "forward" and u >= 0]
     run = []
     done_fwd: set[int] = set()
     done_bwd: set[int] = set()
-    root = facts.root * b["compute"]
+    root = facts.stored(facts.root, facts.root_quantized, b["compute"])
     root_grads = False
-    gathered = 0  # sum of unit(i) over done_fwd - done_bwd, kept as the sets change
+    gathered = 0  # sum of gathered_bytes(i) over done_fwd - done_bwd, kept as the sets change
     pending = len(order) - 1  # order[pending]: the unit backward runs next (done_bwd only grows)
     for ph, u, top, end in segments:
         if ph == "forward":
             if u >= 0 and u not in done_fwd:
                 done_fwd.add(u)
                 if u not in done_bwd:
-                    gathered += unit(u)
-            kept = gathered if not reshard else unit(u)
-            run.append((name(ph, u), {"activations": top, "gathered parameters": root + kept * b["compute"]}))
+                    gathered += gathered_bytes(u)
+            kept = gathered if not reshard else gathered_bytes(u)
+            run.append((name(ph, u), {"activations": top, "gathered parameters": root + kept}))
             continue
         if u >= 0 and u not in done_bwd:
             done_bwd.add(u)
             if u in done_fwd:
-                gathered -= unit(u)
+                gathered -= gathered_bytes(u)
         while pending >= 0 and order[pending] in done_bwd:
             pending -= 1
         nxt = order[pending] if pending >= 0 else -1  # forward order reversed; -1: none left
-        kept = (gathered + unit(u)) if not reshard else unit(u) + unit(nxt)
+        kept = (gathered + gathered_bytes(u)) if not reshard else gathered_bytes(u) + gathered_bytes(nxt)
         # The root's gradients exist once backward has passed the head (the first
         # backward stretch's end); they are reduced last.
-        held = {"gathered parameters": root + kept * b["compute"],
+        held = {"gathered parameters": root + kept,
                 "root gradients": facts.root_trained * b["grad"] if root_grads else 0,
                 f"{off}sharded gradients": trained_shard * b["reduce"] * max(0, len(done_bwd) - 1) // max(1, len(units))}
         run.append((name(ph, u), {"activations": top, **held}))
         root_grads = True
         held["root gradients"] = facts.root_trained * b["grad"]
         if reshard:  # both reshard the unit's parameters before reducing its gradients
-            held["gathered parameters"] = root + unit(nxt) * b["compute"]
+            held["gathered parameters"] = root + gathered_bytes(nxt)
         # FSDP1 reduce-scatters the unit's flat gradient itself; FSDP2 copies the
         # gradients into a reduce-scatter input of its own (both measured).
         reduce = facts.unit_trained(u) * (b["grad"] + (b["reduce"] if strategy.engine == "fsdp2" else 0))
@@ -325,8 +356,11 @@ def _ds_defaults(zero: dict[str, Any]) -> dict[str, Any]:
     return {"stage": stage, "overlap_comm": stage == 3, **ZERO_DEFAULTS, **zero}
 
 
-def model_facts(model: Any, plan: Any, persistence_threshold: int = PERSISTENCE_THRESHOLD) -> ModelFacts:
-    """`ModelFacts` of ``model`` (meta is fine) under ``plan`` (an `annot.Plan`)."""
+def model_facts(model: Any, plan: Any, persistence_threshold: int = PERSISTENCE_THRESHOLD, *,
+                quantized: Collection[int] = (), quantized_costs: QuantizedCosts | None = None) -> ModelFacts:
+    """`ModelFacts` of ``model`` (meta is fine) under ``plan`` (an `annot.Plan`).
+    ``quantized``: ids of the parameters a quantized base holds quantized (priced at
+    ``quantized_costs``)."""
     from annot.policies import Action
 
     params = {id(p): p for p in model.parameters()}
@@ -346,6 +380,18 @@ def model_facts(model: Any, plan: Any, persistence_threshold: int = PERSISTENCE_
     trainable = sum(p.numel() for p in params.values() if p.requires_grad)
     persistent = sum(p.numel() for p in params.values() if p.numel() <= persistence_threshold)
     if trainable == total:  # every parameter trains: the counts are the sizes
-        return ModelFacts(params=total, units=tuple(sizes), root=total - sum(sizes), persistent=persistent)
-    return ModelFacts(params=total, units=tuple(sizes), root=total - sum(sizes), persistent=persistent,
-                      trainable=trainable, unit_trainable=tuple(trained), root_trainable=trainable - sum(trained))
+        facts = ModelFacts(params=total, units=tuple(sizes), root=total - sum(sizes), persistent=persistent)
+    else:
+        facts = ModelFacts(params=total, units=tuple(sizes), root=total - sum(sizes), persistent=persistent,
+                           trainable=trainable, unit_trainable=tuple(trained),
+                           root_trainable=trainable - sum(trained))
+    if not quantized:
+        return facts
+    in_units = [0] * len(shard_units)
+    for key in quantized:
+        if key in owner:
+            in_units[owner[key]] += params[key].numel()
+    return dataclasses.replace(
+        facts, unit_quantized=tuple(in_units),
+        root_quantized=sum(params[key].numel() for key in quantized) - sum(in_units),
+        quantized_costs=quantized_costs)

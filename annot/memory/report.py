@@ -49,6 +49,13 @@ from annot.memory.engine_memory import (
 )
 from annot.memory.gpu_kinds import DEFAULT_GPU, GPU_KINDS, GpuKind, gpu_kind
 from annot.memory.inputs import MediaSizes, batch_and_seq, example_batch, model_inputs
+from annot.memory.quantized_base import (
+    QUANTIZED_KEYS,
+    QuantizedBase,
+    dequantization_in_trace,
+    from_pretrained_call,
+    quantized_base,
+)
 from annot.memory.representative import fast_trace_activations, fast_trace_step
 from annot.memory.strategies import (
     PRECISIONS,
@@ -442,6 +449,8 @@ def estimate_memory(
     gpu: str | None = None,
     media: MediaSizes | None = None,
     example_inputs: Mapping[str, Any] | None = None,
+    quantize: str | None = None,
+    unquantized: Rule | str | None = None,
 ) -> MemoryReport:
     """Per-GPU and per-host memory of every strategy for ``model`` (build it on the meta
     device: nothing is allocated), each one's communication and step time, and the
@@ -491,6 +500,15 @@ def estimate_memory(
     from it); or ``inputs``, a function of your own. What was fed is said under the
     table. Parameters that do not train (a frozen tower, a LoRA base) are priced without
     gradients, master copies or optimizer states.
+
+    ``quantize="nf4"``: the frozen base quantized as ``annot.from_pretrained(...,
+    quantize="nf4")`` does it (the same linears, `annot.quantization.choose_linears`, on
+    the ranks of each strategy), priced by what torchao's NF4 holds (packed codes and
+    scales, sharded and gathered by FSDP2) and the peak of dequantizing the largest
+    quantized weight, both counted on torchao (`annot.memory.quantized_base`). Only the
+    FSDP2 rows are weighed: annot trains a quantized base on FSDP2 alone. The stored
+    dtype is bf16 for ``precision="bf16"``, else fp32. ``unquantized``: the rule of
+    modules whose linears stay in the model's dtype, as ``from_pretrained`` takes it.
     """
     wrappers = {"DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"}
     if any(hasattr(p, "device_mesh") for p in model.parameters()) or any(
@@ -525,11 +543,21 @@ def estimate_memory(
     else:
         fed = "traced on the inputs of your inputs= function"
     styles, unavailable = _tensor_parallel_styles(model, tp_plan, network)
+    if unquantized is not None and quantize is None:
+        raise MemoryInputError("unquantized= goes with quantize='nf4'")
+    base = (quantized_base(model, quantize, precision, network.world, unquantized)
+            if quantize is not None else None)
+    if base is not None:
+        if user_ds is not None or cp:
+            raise MemoryInputError("quantize= prices FSDP2 rows only: leave out deepspeed_config= and cp=")
+        styles, unavailable = {}, ()
     rows, activations, strategies, assumptions = _rows(
         model, plan, network=network, batch=batch, seq=seq, precision=precision,
         optimizer=optimizer, gpu_mem=gpu_mem, host_mem=host_mem, margin=margin, reserve=reserve,
         inputs=inputs, styles=styles, cp=tuple(cp), user_ds=user_ds, ddp=ddp, kind=kind,
-        cp_attention=cp_attention)
+        cp_attention=cp_attention, quantized=base)
+    if base is not None:
+        assumptions = (*assumptions, base.said)
     key, checkpoint, reason = _recommend(rows, plan.total_params, gpu_mem, bool(activations.per_unit),
                                          cp=tuple(cp))
     if nodes > 1 and key is not None:
@@ -543,7 +571,8 @@ def estimate_memory(
         gpu_kind=kind.name,
         activations=activations, rows=tuple(rows), recommendation=key, checkpoint=checkpoint,
         reason=reason, network=network,
-        call=strategies[key].call(precision, checkpoint) if key is not None else None,
+        call=(None if key is None else strategies[key].call(precision, checkpoint) if base is None
+              else from_pretrained_call(strategies[key], base.format, precision, checkpoint)),
         unavailable=unavailable, assumptions=assumptions, fed=fed,
     )
 
@@ -582,13 +611,17 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
           keys: tuple[str, ...] | None = None, cp: tuple[int, ...] = (),
           cp_attention: str = "allgather",
           user_ds: UserDeepSpeed | None = None, ddp: Strategy | None = None,
-          kind: GpuKind | None = None,
+          kind: GpuKind | None = None, quantized: QuantizedBase | None = None,
           ) -> tuple[list[StrategyRow], ActivationEstimate, dict[str, Strategy], tuple[str, ...]]:
     gpus, world = network.gpus_per_node, network.world
+    if quantized is not None:
+        keys = tuple(key for key in (keys or QUANTIZED_KEYS) if key in QUANTIZED_KEYS)
     half = torch.float16 if precision == "fp16-mixed" else torch.bfloat16
-    activations = fast_trace_activations(model, plan, batch=batch, seq=seq,
-                                    dtype=None if precision in ("fp32", "amp") else half, inputs=inputs)
-    facts = model_facts(model, plan)
+    with dequantization_in_trace(model, quantized):
+        activations = fast_trace_activations(model, plan, batch=batch, seq=seq,
+                                             dtype=None if precision in ("fp32", "amp") else half,
+                                             inputs=inputs)
+    facts = model_facts(model, plan, **(quantized.facts_options() if quantized is not None else {}))
     records = param_records(model, plan)
     candidates = (*(ddp if ddp is not None and s.key == "ddp" else s for s in STRATEGIES),
                   *layout_strategies(gpus, network.nodes, tp=bool(styles)),
@@ -618,9 +651,10 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
         for checkpoint in (False, can_checkpoint):
             if (dtype, autocast, checkpoint, seqs[s.key]) not in traces:
                 # The target is a GPU: autocast casts by CUDA's op lists.
-                traces[(dtype, autocast, checkpoint, seqs[s.key])] = fast_trace_step(
-                    model, plan, batch=batch, seq=seqs[s.key], checkpoint=checkpoint, dtype=dtype,
-                    autocast=autocast, inputs=inputs, gpu_rules=True)
+                with dequantization_in_trace(model, quantized):
+                    traces[(dtype, autocast, checkpoint, seqs[s.key])] = fast_trace_step(
+                        model, plan, batch=batch, seq=seqs[s.key], checkpoint=checkpoint, dtype=dtype,
+                        autocast=autocast, inputs=inputs, gpu_rules=True)
     rows = []
     for s in chosen:
         setting = _trace_setting(s, precision_of(s))

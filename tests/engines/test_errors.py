@@ -168,3 +168,21 @@ def test_fsdp2_refuses_a_parameter_without_dimensions_by_name_before_changing_th
     with pytest.raises(annot.EngineNotAvailableError, match=r"log_k has no dimension.*engine='fsdp1'"):
         annot.auto_wrap(model, "fsdp2", annot.by_class(torch.nn.Linear))
     assert not any(hasattr(p, "placements") for p in model.parameters())
+
+
+class Params4bit(torch.nn.Parameter):
+    """Stands for bitsandbytes' 4-bit parameter (not installed here): the check reads the
+    class's name and module only."""
+
+
+Params4bit.__module__ = "bitsandbytes.nn.modules"
+
+
+def test_fsdp2_refuses_bitsandbytes_parameters_naming_the_way_that_keeps_the_bytes(one_rank):
+    """bitsandbytes' packed 4-bit weights under FSDP2 train silently wrong (bitsandbytes
+    #1945): refused before the model changes, pointing at quantize='nf4'."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight = Params4bit(torch.zeros(4, 4), requires_grad=False)
+    with pytest.raises(annot.EngineNotAvailableError, match=r"1\.weight.*#1945.*quantize='nf4'"):
+        annot.auto_wrap(model, "fsdp2", annot.by_class(torch.nn.Linear))
+    assert not any(hasattr(p, "placements") for p in model.parameters())

@@ -27,6 +27,10 @@ def _counting(step: int) -> torch.Tensor:
 
 
 BATCHES = [_counting(step) for step in range(STEPS)]
+#: The step before which the 2-rank worker saves a training state to resume from.
+RESUME_AT = 3
+#: Rows whose logits the exports are checked on.
+PROBE = _counting(99)
 
 
 def save_tiny_llama(folder: Path, *, moe: bool = False) -> Path:

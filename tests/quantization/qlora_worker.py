@@ -2,38 +2,76 @@
 trained for `STEPS` steps of AdamW; rank 0 returns each step's mean loss and the
 adapters' gradients (gathered whole).
 
-Args: OUT DIR [checkpoint] [offload]."""
+Args: OUT DIR [checkpoint] [offload] [save=FOLDER].
+
+With ``save=FOLDER`` the same launch also saves and resumes: ``annot.save_state`` after
+`RESUME_AT` steps, then after the last step the adapters (``peft="adapter"``), the merged
+model (``peft="merged"``, in the model's fp32 and in bf16) and the logits of `PROBE` (every rank the same rows); then a
+second model, built with other adapter values, ``annot.load_state`` of that state and
+trains the remaining steps on the same rows: their losses come back as ``resumed``."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import annot
 from tests.distributed import worker_main
-from tests.quantization.cases import BATCHES, LR, SEED, adapter_grads, lora
+from tests.quantization.cases import BATCHES, LR, PROBE, RESUME_AT, SEED, adapter_grads, lora
 
 
-def run(folder: str, *flags: str) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(SEED)
+def _build(folder: str, flags: tuple[str, ...], seed: int) -> tuple[Any, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
     model = annot.from_pretrained(folder, "fsdp2", peft_config=lora(), quantize="nf4",
                                   checkpoint="checkpoint" in flags, offload="offload" in flags)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    per_rank = BATCHES[0].shape[0] // world
+    return model, optimizer
+
+
+def _step(model: Any, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> tuple[float, dict]:
+    """One step on this rank's rows of ``tokens``: the mean loss over the ranks and the
+    adapters' gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = tokens.shape[0] // world
+    rows = tokens[rank * per_rank:(rank + 1) * per_rank]
+    loss = model(input_ids=rows, labels=rows).loss
+    loss.backward()
+    grads = adapter_grads(model)
+    optimizer.step()
+    optimizer.zero_grad()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean.item() / world, grads
+
+
+def run(folder: str, *flags: str) -> dict:
+    saves = [flag.removeprefix("save=") for flag in flags if flag.startswith("save=")]
+    out = Path(saves[0]) if saves else None
+    model, optimizer = _build(folder, flags, SEED)
     losses, grads = [], []
-    for tokens in BATCHES:
-        rows = tokens[rank * per_rank:(rank + 1) * per_rank]
-        loss = model(input_ids=rows, labels=rows).loss
-        loss.backward()
-        grads.append(adapter_grads(model))
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    for step, tokens in enumerate(BATCHES):
+        if out is not None and step == RESUME_AT:
+            annot.save_state(out / "state", annot.Trainable(model, model, optimizer, "fsdp2"), step=step)
+        loss, step_grads = _step(model, optimizer, tokens)
+        losses.append(loss)
+        grads.append(step_grads)
     quantized = sum(type(getattr(p, "_local_tensor", p)).__name__ == "NF4Tensor" for p in model.parameters())
-    return {"losses": losses, "grads": grads, "quantized": quantized}
+    result: dict[str, Any] = {"losses": losses, "grads": grads, "quantized": quantized}
+    if out is None:
+        return result
+    annot.save(model, out / "adapter", peft="adapter")
+    annot.save(model, out / "merged", peft="merged")
+    annot.save(model, out / "merged-bf16", peft="merged", dtype=torch.bfloat16)
+    with torch.no_grad():
+        result["logits"] = model(input_ids=PROBE).logits.detach().clone()
+    del model, optimizer
+    model, optimizer = _build(folder, flags, SEED + 1)
+    resumed = annot.load_state(out / "state", annot.Trainable(model, model, optimizer, "fsdp2"))
+    result["resumed"] = [_step(model, optimizer, tokens)[0] for tokens in BATCHES[resumed.step:]]
+    return result
 
 
 if __name__ == "__main__":
