@@ -289,6 +289,24 @@ def build_pretrained(
     return model
 
 
+def _refuse_quantized_checkpoint(folder: Path, hf_config: Any) -> None:
+    """Refuse a folder whose weights are stored quantized (its config's
+    ``quantization_config``: bitsandbytes, GPTQ, AWQ, FP8, ...): annot builds the model
+    in full precision and reads full-precision tensors, so such a folder failed later on
+    the first packed weight's shape, or loaded a format's bytes as weights where shapes
+    happened to agree."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if not quantization:
+        return
+    settings = quantization if isinstance(quantization, dict) else getattr(quantization, "to_dict", dict)()
+    method = settings.get("quant_method", "unknown")
+    raise CheckpointError(
+        f"{folder} holds weights already quantized ({method}: config.json's quantization_config), "
+        "and annot reads full-precision checkpoints: load the original (bf16 or fp32) "
+        "checkpoint, with quantize='nf4' for a 4-bit frozen base (annot quantizes while "
+        "loading, each weight once)")
+
+
 def _constructor(folder: Path, torch_dtype: torch.dtype | str | None, trust_remote_code: bool,
                  auto_class: type | str | None) -> Callable[[], nn.Module]:
     """A function building the model of ``folder``'s config (to call inside a recording
@@ -312,6 +330,7 @@ def _constructor(folder: Path, torch_dtype: torch.dtype | str | None, trust_remo
 
     hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code,
                                            local_files_only=True)
+    _refuse_quantized_checkpoint(folder, hf_config)
     hf_dtype = _resolve_dtype(torch_dtype, hf_config)
     factory = model_factory(hf_config, auto_class, trust_remote_code)
 

@@ -86,6 +86,22 @@ def test_path_without_config_is_refused(tmp_path):
     assert issubclass(annot.PretrainedPathError, annot.AnnotError)
 
 
+@pytest.mark.parametrize("method", ["bitsandbytes", "fp8"])
+def test_a_checkpoint_stored_quantized_is_refused_before_anything_is_read(saved_models, tmp_path, method):
+    """A folder whose config carries a ``quantization_config`` (bitsandbytes' packed
+    4-bit weights, FP8 blocks, ...): annot reads full-precision tensors, so it says so
+    and points at quantize='nf4' instead of failing on the first packed weight's shape."""
+    import shutil
+
+    folder = tmp_path / "quantized"
+    shutil.copytree(saved_models["llama"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "load_in_4bit": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(annot.CheckpointError, match=f"already quantized \\({method}.*quantize='nf4'"):
+        annot.from_pretrained(folder, engine=None)
+
+
 def test_missing_weights_are_initialized_and_logged_or_refused_when_strict(
         saved_models, tmp_path, caplog):
     """A model with one more layer than the files: transformers initializes it and warns;
