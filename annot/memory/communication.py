@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from torch import nn
@@ -255,14 +255,20 @@ class ParamRecord:
     name: str
     shape: tuple[int, ...]
     trainable: bool
+    #: Bytes an element is stored and gathered in when that is not the compute dtype's:
+    #: a quantized weight (QLoRA's NF4, `annot.memory.quantized_base`); ``None`` otherwise.
+    stored: float | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-def param_records(model: nn.Module, plan: Any) -> tuple[ParamRecord, ...]:
-    """`ParamRecord` of every parameter of ``model`` (meta is fine) under ``plan``."""
+def param_records(model: nn.Module, plan: Any, quantized: Collection[int] = (),
+                  stored: float | None = None) -> tuple[ParamRecord, ...]:
+    """`ParamRecord` of every parameter of ``model`` (meta is fine) under ``plan``;
+    ``quantized``: ids of the parameters a quantized base holds in ``stored`` bytes an
+    element."""
     from annot.policies import Action
 
     owner: dict[int, int] = {}
@@ -278,7 +284,7 @@ def param_records(model: nn.Module, plan: Any) -> tuple[ParamRecord, ...]:
                 continue
             seen.add(id(p))
             records.append(ParamRecord(owner.get(id(p), -1), module_path, name, tuple(p.shape),
-                                       p.requires_grad))
+                                       p.requires_grad, stored if id(p) in quantized else None))
     return tuple(records)
 
 
@@ -364,9 +370,12 @@ def _fsdp(records: tuple[ParamRecord, ...], layout: Layout, dt: Dtypes, reshard:
     fwd = bwd = rs = ar = 0
     for unit, params in _by_unit(records).items():
         shard, grads = shards(params)
-        fwd += n * shard * dt.gather
+        # A quantized weight is gathered in its packed bytes (it splits evenly: no padding).
+        packed = sum(r.numel * (r.stored - dt.gather) for r in params if r.stored is not None)
+        gathered = n * shard * dt.gather + round(packed)
+        fwd += gathered
         if reshard and unit >= 0:  # neither FSDP reshards the root after forward
-            bwd += n * shard * dt.gather
+            bwd += gathered
         rs += n * grads * dt.reduce
         ar += grads * dt.reduce
     found = [Collective("all-gather", "parameters, forward", "shard", n, fwd),

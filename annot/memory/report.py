@@ -622,7 +622,8 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
                                              dtype=None if precision in ("fp32", "amp") else half,
                                              inputs=inputs)
     facts = model_facts(model, plan, **(quantized.facts_options() if quantized is not None else {}))
-    records = param_records(model, plan)
+    records = param_records(model, plan, *((quantized.weights, quantized.costs.stored)
+                                           if quantized is not None else ()))
     candidates = (*(ddp if ddp is not None and s.key == "ddp" else s for s in STRATEGIES),
                   *layout_strategies(gpus, network.nodes, tp=bool(styles)),
                   *cp_strategies(cp, gpus, world, cp_attention),

@@ -9,7 +9,9 @@ import pytest
 
 from tests.distributed import ROOT, run_process, worker_env
 
-pytestmark = pytest.mark.distributed
+# A benchmark script's smoke run (about 15 s): in the sweep lane, with the other benchmark
+# launches, so the default lane stays under 20 minutes.
+pytestmark = [pytest.mark.distributed, pytest.mark.sweep]
 
 
 def test_the_table_driver_prints_a_filled_row_for_ddp_with_activation_offload():

@@ -17,11 +17,11 @@ TOLERANCE = 0.10
 # suite's slowest); the sweep lane the rest, in a second launch.
 ROWS = [
     ("zero3", True), ("zero3-offload", True),
-    ("ddp", False), ("fsdp2", False), ("fsdp2-no-reshard", False),
-    ("fsdp1", True), ("zero2", False), ("fsdp2-offload", True),
+    ("ddp", False), ("fsdp2", False),
+    ("fsdp1", True), ("fsdp2-offload", True),
 ]
 MORE_ROWS = [
-    ("ddp", True), ("zero1", False), ("zero3", False),
+    ("ddp", True), ("zero1", False), ("zero3", False), ("zero2", False), ("fsdp2-no-reshard", False),
     ("zero2-offload", False), ("zero3-offload-opt", False),
 ]
 

@@ -381,6 +381,7 @@ MEMORY_WORKER = Path(__file__).with_name("memory_worker.py")
 
 
 @pytest.mark.distributed
+@pytest.mark.sweep  # one launch, about 20 s: the default lane stays under 20 minutes
 def test_the_planner_prices_a_qlora_step_as_counted_on_two_ranks(llama_folder, tmp_path):
     """``estimate_memory(..., quantize="nf4")``'s FSDP2 row against the peak of live
     tensor bytes counted on each of 2 CPU ranks over 3 AdamW steps (memory_worker.py),
@@ -474,3 +475,23 @@ def test_a_rule_keeps_chosen_linears_in_the_models_dtype(llama_folder):
     assert sum(_is_nf4(p) for p in same.parameters()) == 12
     with pytest.raises(ValueError, match="pass quantize='nf4' too"):
         annot.from_pretrained(llama_folder, None, peft_config=lora(), unquantized="name:**.o_proj")
+
+
+def test_the_planner_gathers_a_quantized_base_in_its_packed_bytes(llama_folder):
+    """FSDP2's all-gathers of a quantized base move NF4's bytes (about 0.516 a weight),
+    not the compute dtype's: the forward all-gather of the 14 quantized weights (2 x
+    589,824 weights) is smaller by exactly their elements x (4 - 0.516) bytes in fp32."""
+    from annot.memory.quantized_base import nf4_costs
+
+    config = transformers.AutoConfig.from_pretrained(llama_folder)
+    with torch.device("meta"):
+        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config), lora())
+
+    def gathered(**options) -> int:
+        report = annot.estimate_memory(model, gpus=2, batch=1, seq=16, precision="fp32", **options)
+        row = {r.key: r for r in report.rows}["fsdp2"]
+        assert row.time is not None
+        return next(c.size for c in row.time.comm.collectives if c.what == "parameters, forward")
+
+    saved = 2 * 589_824 * (4 - nf4_costs(torch.float32).stored)
+    assert gathered() - gathered(quantize="nf4") == round(saved)
