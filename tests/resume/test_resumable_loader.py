@@ -76,7 +76,10 @@ def test_a_position_saved_on_two_ranks_continues_the_same_order_on_one():
 
 
 def test_the_position_counts_batches_handed_to_the_loop_not_those_prefetched():
-    loader = annot.ResumableLoader(Indices(64), batch_size=4, num_workers=1, prefetch_factor=4)
+    # A spawned worker: a forked one copies whatever locks the suite's earlier threads
+    # held (OpenMP, gloo) and once died of a segmentation fault in CI.
+    loader = annot.ResumableLoader(Indices(64), batch_size=4, num_workers=1, prefetch_factor=4,
+                                   multiprocessing_context="spawn")
     batches = iter(loader)
     assert flat([next(batches)]) == [0, 1, 2, 3]
     assert loader.position == 4  # the worker has fetched up to 4 batches ahead by now
