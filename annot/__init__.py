@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     )
     from annot.freezing import freeze
     from annot.huggingface.pretrained import PretrainedPathError, from_pretrained
+    from annot.interruptions import Interruptions
     from annot.markers import checkpoint_block, get_mark, mark, offload_block, shard_block, unmark
     from annot.memory import BudgetAnswer, BudgetError, estimate_memory, fit_budget
     from annot.meta.deferred import DeferredInitError, build, meta_init, register_init
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     )
     from annot.policies.errors import AnnotError, PlanError
     from annot.policies.parallel import ParallelDims
+    from annot.process_group import set_collective_timeout
+    from annot.resume import resume_state
     from annot.training_state import latest_state, load_state, save_state
     from annot.values import load, materialize, save
     from annot.wrap import auto_wrap
@@ -89,6 +92,9 @@ _EXPORTS = {
     "save_state": "annot.training_state",
     "load_state": "annot.training_state",
     "latest_state": "annot.training_state",
+    "resume_state": "annot.resume",
+    "Interruptions": "annot.interruptions",
+    "set_collective_timeout": "annot.process_group",
     "ResumableLoader": "annot.data_loading",
     "Trainable": "annot.engines.base",
     "apply_checkpointing": "annot.engines.activation_checkpointing",
@@ -159,6 +165,7 @@ __all__ = [
     "init_distributed",
     "get_mark",
     "latest_state",
+    "Interruptions",
     "load",
     "load_state",
     "mark",
@@ -168,6 +175,8 @@ __all__ = [
     "no_split_modules",
     "offload_block",
     "plan",
+    "resume_state",
+    "set_collective_timeout",
     "register_init",
     "repeated_blocks",
     "save",

@@ -21,12 +21,13 @@ REMOVED_IN = "0.3.0"
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def warn_deprecated(old: str, new: str) -> None:
-    """Warn that ``old`` is deprecated in favour of ``new``, at the line of the first
-    caller outside annot: the user's line however deep inside annot the old spelling was
+def warn_deprecated(old: str, new: str, removed_in: str = REMOVED_IN) -> None:
+    """Warn that ``old`` is deprecated in favour of ``new`` and goes in ``removed_in``
+    (one release after the one that deprecates it), at the line of the first caller
+    outside annot: the user's line however deep inside annot the old spelling was
     noticed (``from_pretrained`` passing ``auto_wrap``'s options on), and where Python's
     default filters show a `DeprecationWarning`."""
-    warnings.warn(f"{old} is deprecated and will be removed in annot {REMOVED_IN}: use {new}",
+    warnings.warn(f"{old} is deprecated and will be removed in annot {removed_in}: use {new}",
                   DeprecationWarning, stacklevel=_first_level_outside_annot())
 
 

@@ -12,28 +12,48 @@ watches the next rank's counter: a rank whose counter has not moved for half of
 
 The thread only reports; ending the job is the collectives' timeout and torchrun's work
 (``torchrun --shutdown_timeout`` bounds how long torchrun waits for a stopped rank after
-asking it to stop; it defaults to 30 s).
+asking it to stop; it defaults to 30 s). `set_collective_timeout` shortens the bound once
+the run is past its slow start (`annot.Interruptions` does it after the first step), for
+the heartbeat too; `note_step` hands the heartbeat the step boundary this rank passed
+last, which it publishes with its beat (`annot.collective_hangs` reads them when a
+collective times out).
+
+Under torchrun's restarts (``--max-restarts``) the agent keeps one key-value store for
+every attempt, and the keys a process group reads at start (each rank's address) are
+still there from the attempt before: a restarted rank read a dead rank's address and
+the restart failed ("Connection refused", measured with gloo on torch 2.13). Each
+attempt's keys are therefore kept apart (`attempt_store`), and the flight recorder is
+on by default (``TORCH_FR_BUFFER_SIZE``; pitfall 69).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from annot.devices import choose_device, distributed_backend, uses_cuda
 
-__all__ = ["DEFAULT_TIMEOUT_S", "barrier", "init_distributed", "rank_and_world"]
+__all__ = ["DEFAULT_TIMEOUT_S", "FLIGHT_RECORDER_ENTRIES", "attempt_store", "barrier", "collective_timeout",
+           "heartbeat_snapshot", "init_distributed", "long_collectives", "note_step", "rank_and_world", "set_collective_timeout"]
 
 DEFAULT_TIMEOUT_S = 600.0  # long enough for a checkpoint save, far below torch's 30 minutes
+#: Collectives the flight recorder keeps per process group (TORCH_FR_BUFFER_SIZE) unless
+#: the user set it: a few steps' worth, some hundred kilobytes of host memory.
+FLIGHT_RECORDER_ENTRIES = 2000
 _DONE = "done"
+_state: dict[str, Any] = {"timeout": DEFAULT_TIMEOUT_S, "init_timeout": DEFAULT_TIMEOUT_S,
+                          "step": None, "heartbeat": None}
 
 
 def init_distributed(backend: str | None = None, *, device: torch.device | str | None = None,
@@ -65,11 +85,78 @@ def init_distributed(backend: str | None = None, *, device: torch.device | str |
     chosen = choose_device(device, backend=backend)
     backend = backend or distributed_backend(chosen)
     device_id = chosen if chosen.type == "cuda" and uses_cuda(backend) else None
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout),
-                            device_id=device_id)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
+    bound = datetime.timedelta(seconds=timeout)
+    store = attempt_store(bound)
+    if store is not None:
+        dist.init_process_group(backend, timeout=bound, device_id=device_id, store=store,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group(backend, timeout=bound, device_id=device_id)
+    _state.update(timeout=timeout, init_timeout=timeout, step=None)
     if heartbeat and dist.get_world_size() > 1:
-        _Heartbeat(timeout).start()
+        _state["heartbeat"] = _Heartbeat(timeout)
+        _state["heartbeat"].start()
     return chosen
+
+
+def attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """A client of torchrun's agent store whose keys are this restart attempt's own
+    (``annot/attempt-N/``), or ``None`` outside torchrun's agent store (plain env:// then)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"annot/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def collective_timeout() -> float:
+    """The bound on collectives now (seconds): `init_distributed`'s, or what
+    `set_collective_timeout` set since."""
+    return float(_state["timeout"])
+
+
+def set_collective_timeout(seconds: float | None) -> None:
+    """Bound the default group's collectives by ``seconds`` from now on (``None``: back to
+    `init_distributed`'s bound), the heartbeat's report with them. Not collective: every
+    rank sets its own (each must, to stop waiting as soon)."""
+    if seconds is not None and seconds <= 0:
+        raise ValueError(f"a collective timeout must be positive seconds, got {seconds}")
+    value = float(_state["init_timeout"] if seconds is None else seconds)
+    if dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=value))
+    _state["timeout"] = value
+    beat = _state["heartbeat"]
+    if beat is not None:
+        beat.timeout, beat.interval = value, min(1.0, value / 10)
+
+
+@contextlib.contextmanager
+def long_collectives() -> Iterator[None]:
+    """Collectives inside run under `init_distributed`'s bound again, when a shorter one
+    was set (a save's barriers wait for the slowest rank's writes, far longer than a
+    step's collectives); the shorter bound comes back after."""
+    current = float(_state["timeout"])
+    if current >= float(_state["init_timeout"]):
+        yield
+        return
+    set_collective_timeout(None)
+    try:
+        yield
+    finally:
+        set_collective_timeout(current)
+
+
+def note_step(step: int) -> None:
+    """This rank passed step boundary ``step``: published with its next beat."""
+    _state["step"] = int(step)
+
+
+def heartbeat_snapshot() -> dict[int, tuple[str, str | None, str]] | None:
+    """Each rank's (beat counter, last step boundary, host and pid) as the store holds
+    them now, or ``None`` without a heartbeat."""
+    beat = _state["heartbeat"]
+    return beat.snapshot() if beat is not None else None
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -95,8 +182,9 @@ class _Heartbeat(threading.Thread):
         self.interval = min(1.0, timeout / 10)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # A client of its own: the process group's store is in use by the main thread.
-        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                   is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        bound = datetime.timedelta(seconds=timeout)
+        self.store = attempt_store(bound) or dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=bound)
         self.store.set(f"annot/who/{self.rank}", f"{socket.gethostname()} pid {os.getpid()}")
         self.store.set(f"annot/beat/{self.rank}", "0")
         self.stopped = threading.Event()
@@ -117,21 +205,41 @@ class _Heartbeat(threading.Thread):
         key = f"annot/beat/{watched}"
         last: tuple[bytes | None, float] = (None, time.monotonic())
         count = 0
+        reported = False
         while not self.stopped.wait(self.interval):
             count += 1
             try:
                 self.store.set(f"annot/beat/{self.rank}", str(count))
+                if _state["step"] is not None:
+                    self.store.set(f"annot/step/{self.rank}", str(_state["step"]))
                 beat = self.store.get(key) if self.store.check([key]) else None
             except Exception:  # noqa: BLE001 - the job is ending; nothing left to watch
                 return
             now = time.monotonic()
-            if beat == _DONE.encode():
-                return
-            if beat != last[0]:
+            # Beating goes on whatever it sees (a rank whose beat stops is taken for a
+            # stopped one: `annot.collective_hangs`); the watch ends at the first report
+            # or when the watched rank leaves.
+            if reported or beat == _DONE.encode():
+                reported = True
+            elif beat != last[0]:
                 last = (beat, now)
             elif now - last[1] >= self.timeout / 2:  # named before the collectives give up
                 self._report(watched, now - last[1])
-                return
+                reported = True
+
+    def snapshot(self) -> dict[int, tuple[str, str | None, str]]:
+        """Each rank's beat counter, last step boundary and host as the store holds them
+        (from the caller's thread: a client of its own)."""
+        bound = datetime.timedelta(seconds=10)
+        store = attempt_store(bound) or dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=bound)
+        out = {}
+        for rank in range(self.world):
+            def read(key: str) -> str | None:
+                return store.get(key).decode() if store.check([key]) else None
+            out[rank] = (read(f"annot/beat/{rank}") or "", read(f"annot/step/{rank}"),
+                         read(f"annot/who/{rank}") or "unknown host")
+        return out
 
     def _report(self, rank: int, silent: float) -> None:
         try:

@@ -84,12 +84,12 @@ def refuse_format(quantize: str, engine: str | None) -> None:
                          "(QLoRA's 4-bit NormalFloat, through torchao, whose FSDP2 all-gather moves "
                          "the packed bytes); 8-bit and FP8 weight-only bases are not built in this "
                          "release (float8 training of the whole model is issue #45's)")
-    if engine not in (None, "fsdp2", "fully_shard"):
+    if engine not in (None, "fsdp2", "fully_shard", "ddp"):
         raise ValueError(
-            f"quantize={quantize!r} trains under engine='fsdp2' (or loads with engine=None) in this "
-            f"release; {engine!r} is not built for a quantized base yet (FSDP1 needs the packed "
-            "bytes in its flat parameter's dtype, DeepSpeed ZeRO-3 partitions a flat copy that "
-            "would pass them through a float conversion): use engine='fsdp2'")
+            f"quantize={quantize!r} trains under engine='fsdp2' or 'ddp' (or loads with engine=None) "
+            f"in this release; {engine!r} is not built for a quantized base yet (FSDP1 needs the "
+            "packed bytes in its flat parameter's dtype, DeepSpeed ZeRO-3 partitions a flat copy "
+            "that would pass them through a float conversion): use engine='fsdp2'")
 
 
 def nf4_tensor_type() -> tuple[type, Any]:

@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +44,11 @@ from annot.engines.registry import ENGINES, get_engine
 from annot.engines.rng_state import rng_states, set_rng_states
 from annot.engines.training_state import TorchState
 from annot.errors import CheckpointError
-from annot.process_group import barrier, rank_and_world
+from annot.process_group import barrier, long_collectives, rank_and_world
 from annot.quantized_tensors import is_quantized, quantization_of
 
-__all__ = ["PendingSave", "ResumedState", "latest_state", "load_state", "save_state"]
+__all__ = ["PendingSave", "ResumedState", "committed_states", "finish_pending_saves", "latest_state", "load_state",
+           "save_state"]
 
 FORMAT = "annot-training-state"
 VERSION = 1
@@ -120,13 +122,20 @@ class PendingSave:
     directory: Path
     info: dict[str, Any]
     keep_last: int | None
+    #: When `save_state` began (``time.perf_counter``), and how long it held training.
+    started: float = 0.0
+    blocked_s: float = 0.0
+    #: Seconds from the start until the background write finished (``None`` before).
+    written_s: float | None = None
     done: bool = False
 
     def wait(self) -> Path:
         if not self.done:
             self.done = True
             self.future.result()
-            _finish(self.staging, self.final, self.directory, self.info, self.keep_last)
+            with long_collectives():
+                _finish(self.staging, self.final, self.directory, self.info, self.keep_last)
+            _log_cost(self.final, self.blocked_s, time.perf_counter() - self.started, written=self.written_s)
         return self.final
 
 
@@ -137,6 +146,14 @@ _async_group: list[Any] = []
 def _finish_pending() -> None:
     while _pending:
         _pending.pop().wait()
+
+
+def finish_pending_saves() -> None:
+    """Write and commit every asynchronous save still pending (`PendingSave.wait` of
+    each). Collective. A run that ends with one pending must call it (`annot.Interruptions`
+    does when its block ends), or that save stays an uncommitted staging folder."""
+    with long_collectives():
+        _finish_pending()
 
 
 def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step: int,
@@ -163,11 +180,19 @@ def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     if data is not None:
         _require_stateful(data, "save_state")
+    started = time.perf_counter()
+    with long_collectives():
+        return _save_state(Path(directory), trainable, step=step, scheduler=scheduler, extra=extra,
+                           data=data, keep_last=keep_last, async_save=async_save, started=started)
+
+
+def _save_state(directory: Path, trainable: Trainable, *, step: int, scheduler: Any,
+                extra: dict[str, Any] | None, data: Any, keep_last: int | None, async_save: bool,
+                started: float) -> Path | PendingSave:
     _finish_pending()
     import torch.distributed.checkpoint as dcp
 
     rank, world = rank_and_world()
-    directory = Path(directory)
     final = step_folder(directory, step)
     state, groups, counters = engine_state(trainable).save_dict()
     info = {
@@ -194,12 +219,28 @@ def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step:
     writer = dcp.FileSystemWriter(str(staging))
     if async_save:
         future = dcp.async_save(state, storage_writer=writer, process_group=_background_group())
-        pending = PendingSave(future, staging, final, directory, info, keep_last)
+        pending = PendingSave(future, staging, final, directory, info, keep_last, started=started,
+                              blocked_s=time.perf_counter() - started)
+        future.add_done_callback(  # type: ignore[union-attr]  # a Future: no stager given
+            lambda _: setattr(pending, "written_s", time.perf_counter() - started))
         _pending.append(pending)
         return pending
     dcp.save(state, storage_writer=writer)
     _finish(staging, final, directory, info, keep_last)
+    seconds = time.perf_counter() - started
+    _log_cost(final, seconds, seconds)
     return final
+
+
+def _log_cost(final: Path, blocked: float, total: float, *, written: float | None = None) -> None:
+    """What a save cost: how long it held training, and how long until it was committed
+    (rank 0; the figures to choose a save interval by, docs/guides/interruptions.md).
+    ``written``: an asynchronous save's seconds until its background write finished (it
+    is committed at the next save or `finish_pending_saves`)."""
+    if rank_and_world()[0] == 0:
+        background = "" if written is None else f", written in the background in {written:.2f} s"
+        _log.info("saved %s: training blocked %.2f s%s, committed after %.2f s", final.name, blocked,
+                  background, total)
 
 
 def _background_group() -> Any:
@@ -218,14 +259,15 @@ def _finish(staging: Path, final: Path, directory: Path, info: dict[str, Any],
         commit.write_json(staging / STATE_FILE, info)
     commit.commit(staging, final, {"format": FORMAT, "step": info["step"]})
     if keep_last is not None and rank_and_world()[0] == 0:
-        for old in _committed(directory)[:-keep_last]:
+        for old in committed_states(directory)[:-keep_last]:
             shutil.rmtree(old)
     barrier()
 
 
 # -- load ----------------------------------------------------------------------------------
-def _committed(directory: Path) -> list[Path]:
+def committed_states(directory: str | os.PathLike[str]) -> list[Path]:
     """Committed step folders under ``directory``, oldest first."""
+    directory = Path(directory)
     found = []
     for child in directory.iterdir() if directory.is_dir() else []:
         match = _STEP_DIR.match(child.name)
@@ -236,7 +278,7 @@ def _committed(directory: Path) -> list[Path]:
 
 def latest_state(directory: str | os.PathLike[str]) -> Path | None:
     """The newest committed state under ``directory`` (None if there is none)."""
-    found = _committed(Path(directory))
+    found = committed_states(Path(directory))
     return found[-1] if found else None
 
 
@@ -277,11 +319,17 @@ def load_state(directory: str | os.PathLike[str], trainable: Trainable, *,
                         f"not {type(trainable).__name__}")
     if data is not None:
         _require_stateful(data, "load_state")
+    with long_collectives():
+        return _load_state(Path(directory), trainable, scheduler=scheduler, data=data, strict=strict)
+
+
+def _load_state(directory: Path, trainable: Trainable, *, scheduler: Any, data: Any,
+                strict: bool) -> ResumedState:
     _finish_pending()
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    path = _resolve(Path(directory))
+    path = _resolve(directory)
     commit.require_committed(path)
     info = json.loads((path / STATE_FILE).read_text())
     if info.get("format") != FORMAT or info.get("version") != VERSION:

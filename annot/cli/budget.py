@@ -39,7 +39,8 @@ def run_budget(args: argparse.Namespace, model: Any, plan: Any, budget: int | No
             tflops=args.tflops, hbm_bw=args.hbm_bw, host_bw=args.host_bw,
             margin=MARGIN if args.margin is None else args.margin,
             reserve=RESERVE if reserve is None else reserve, cp=cp_sizes(args.cp),
-            cp_attention=args.cp_attention, inputs=model_inputs(media_sizes(args)))
+            cp_attention=args.cp_attention, inputs=model_inputs(media_sizes(args)),
+            quantize=args.quantize, unquantized=args.unquantized)
         answer = solver.fit(budget)
         if args.plot is not None:
             from annot.memory.plot import plot_budget

@@ -72,7 +72,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", choices=("nf4",),
                    help="with --lora: the frozen base quantized as from_pretrained(..., "
                         "quantize='nf4') does it (QLoRA; needs torchao): which linears, and "
-                        "with --memory their bytes (FSDP2 rows only)")
+                        "with --memory and --budget their bytes (DDP and FSDP2 rows only)")
     p.add_argument("--unquantized", metavar="RULE",
                    help="with --quantize: modules whose linears stay in the model's dtype "
                         "(a rule, e.g. 'name:**.o_proj')")
@@ -236,8 +236,6 @@ def _run_plan(args: argparse.Namespace) -> int:
             raise ValueError("--unquantized goes with --quantize")
         if args.quantize is not None and args.lora is None:
             raise ValueError("--quantize quantizes a frozen base: add --lora RANK")
-        if args.quantize is not None and (args.budget is not None or args.fit):
-            raise ValueError("--quantize is priced by --memory alone for now, not by --budget or --fit")
         if args.lora is not None and args.fit:
             raise ValueError("--fit rebuilds the model at each size without --lora: leave one out")
         model = _with_lora(build_target(args.target, options, dtype=args.dtype), args.lora)

@@ -35,6 +35,7 @@ from annot.engines.base import (
 )
 from annot.engines.mesh import refuse_plan_dims
 from annot.engines.training_state import TorchState
+from annot.quantized_tensors import is_quantized
 
 __all__ = ["DDP", "AutocastDDP", "DDPOptions", "apply_ddp"]
 
@@ -129,8 +130,15 @@ def apply_ddp(model: nn.Module, *, device: torch.device,
     """Move ``model`` to ``device`` and wrap it in DDP; its ``.module`` is ``model`` with
     unchanged names. With ``gradient_as_bucket_view`` the gradients live in DDP's buckets
     (no second copy; annot.memory counts it so). ``autocast``: a dtype to run the forward
-    in (``torch.autocast`` on ``device``); the parameters keep theirs."""
+    in (``torch.autocast`` on ``device``); the parameters keep theirs. Quantized weights
+    (a QLoRA base) are left out of DDP's broadcast at wrap, which re-quantizes torchao's
+    NF4 (the codes stay, the scales change: measured) on every rank, rank 0 included;
+    each rank quantized the same bytes from the same checkpoint, so nothing needs
+    syncing, and frozen weights have no gradient to reduce (docs/design.md, pitfall 67)."""
     model.to(device)
+    quantized = [name for name, p in model.named_parameters() if is_quantized(p)]
+    if quantized:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, quantized)
     device_ids = [device] if device.type == "cuda" else None
     if autocast is None:
         return DistributedDataParallel(model, device_ids=device_ids,

@@ -183,7 +183,8 @@ def _quantize(model: nn.Module, source: CheckpointSource, engine: str | None,
     from annot.devices import choose_device
     from annot.quantization import choose_linears, quantize_on_load
 
-    shards = dist.get_world_size() if engine is not None and dist.is_initialized() else 1
+    # FSDP2 splits each weight over the ranks (whole NF4 blocks each); DDP keeps it whole.
+    shards = dist.get_world_size() if engine in ("fsdp2", "fully_shard") and dist.is_initialized() else 1
     linears = choose_linears(model, shards, unquantized)
     if not linears.quantized:
         raise ValueError(

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_leaves, tree_map
 
-from annot.huggingface.model import training_forward_kwargs
+from annot.huggingface.model import cache_off_in_training
 from annot.memory.counting import storage_key
 from annot.memory.inputs import InputsFn, default_inputs, step_inputs
 from annot.memory.routing_values import ValueShadows, reads_values
@@ -286,13 +286,17 @@ def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, ch
         # Under CUDA's rules a recomputation must cast as its forward did: torch's
         # checkpoint restores torch.autocast for it, not a function mode, so the rules
         # enter with it.
-        apply_checkpointing(model, paths, _recompute_under_rules(autocast)
-                            if gpu_rules and autocast else torch_checkpoint)
+        checkpoint_fn = _recompute_under_rules(autocast) if gpu_rules and autocast else torch_checkpoint
+
+        def marked(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            return checkpoint_fn(_marking_recomputation(function), *args, **kwargs)
+        apply_checkpointing(model, paths, marked)
     params = dict(model.named_parameters())
     grads: dict[int, int] = {}
     peaks = {"act": 0, "all": 0, "grads": 0}  # grads: the running sum of ``grads``
-    # Which shard unit runs: forward (pre-)hooks, and in backward the unit whose
-    # parameter last got its gradient.
+    # Which shard unit runs: forward (pre-)hooks; in backward the unit being recomputed
+    # (its parameters are gathered for it: the stretch is the unit's, not the one before)
+    # and the unit whose parameter last got its gradient.
     shard_paths = [u.modules for u in plan.units if u.has(Action.SHARD)] if plan is not None else []
     unit_of: dict[int, int] = {}
     for index, modules in enumerate(shard_paths):
@@ -315,6 +319,17 @@ def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, ch
             act = counter.current - peaks["grads"]
             segments.append([phase, unit, act, act])
             tallies.append([counter.current, 0, 0])
+
+    def _marking_recomputation(function: Callable[..., Any]) -> Callable[..., Any]:
+        # ``function``: a checkpointed module's bound forward; called again in backward.
+        module = getattr(function, "__self__", None)
+        owner = next(module.parameters(), None) if isinstance(module, nn.Module) else None
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if state["phase"] == "backward" and owner is not None:
+                at("backward", unit_of.get(id(owner), state["unit"]))
+            return function(*args, **kwargs)
+        return run
 
     def on_change(current: int) -> None:
         act = current - peaks["grads"]
@@ -351,12 +366,11 @@ def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, ch
     model.train()
     try:
         # The shadows sit between the fake mode and the counters: what they make is counted.
+        # A training step keeps no key/value cache, checkpointed or not (pitfall 14).
         with fake_mode, shadows if shadows is not None else contextlib.nullcontext(), \
-                counter, flop_counter, _traceable():
+                counter, flop_counter, _traceable(), cache_off_in_training(model):
             args, kwargs, loss_of = step_inputs(inputs, model, batch, seq)
             args, kwargs = _cast_inputs((args, kwargs), dtype)
-            # A training step keeps no key/value cache, checkpointed or not (pitfall 14).
-            kwargs = training_forward_kwargs(model, args, kwargs)
             rules = _gpu_rules(autocast) if gpu_rules else None
             with rules if rules is not None else contextlib.nullcontext():
                 with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None and rules is None):

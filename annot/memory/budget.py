@@ -61,6 +61,13 @@ from annot.memory.choices import (
 from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, Network, param_records
 from annot.memory.context_parallel import AttentionShape, attention_shape, cp_strategies
 from annot.memory.engine_memory import RankMemory, _bytes, model_facts
+from annot.memory.quantized_base import (
+    QUANTIZED_KEYS,
+    QuantizedBase,
+    dequantization_in_trace,
+    from_pretrained_call,
+    quantized_base,
+)
 from annot.memory.report import (
     MARGIN,
     RESERVE,
@@ -197,7 +204,8 @@ def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, se
                   margin: float = MARGIN, reserve: int = RESERVE,
                   strategies: Sequence[str] | None = None, choices: Sequence[str] = CHOICES,
                   inputs: InputsFn | None = None, fast_trace: bool = True, cp: Sequence[int] = (),
-                  cp_attention: str = "allgather") -> BudgetSolver:
+                  cp_attention: str = "allgather", quantize: str | None = None,
+                  unquantized: Rule | str | None = None) -> BudgetSolver:
     """A `BudgetSolver` for ``model``: the traces are made once, each `BudgetSolver.fit`
     solves one budget. ``device`` names the cost model's figures
     (`annot.memory.choices.DEVICES`), each overridable (TFLOP/s, GB/s); ``strategies``
@@ -209,7 +217,11 @@ def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, se
     context-parallel sizes weighed besides, each ``FSDP2 + CP c`` (each sequence split
     over ``c`` ranks of a node: traced at ``seq / c``, with the cp group's keys and
     values, collectives and FLOPs, `annot.memory.context_parallel`), with attention split
-    as ``cp_attention`` says (``"allgather"`` or ``"ulysses"``)."""
+    as ``cp_attention`` says (``"allgather"`` or ``"ulysses"``). ``quantize="nf4"``
+    (with ``unquantized``): the frozen base quantized as ``annot.from_pretrained(...,
+    quantize=)`` does it, priced as `annot.estimate_memory` prices it; only the DDP and
+    FSDP2 strategies are weighed (the engines annot trains a quantized base on) and the
+    answer's call is a ``from_pretrained`` call."""
     if precision not in PRECISIONS:
         raise MemoryInputError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     unknown = [c for c in choices if c not in CHOICES]
@@ -233,12 +245,24 @@ def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, se
             raise MemoryInputError(f"cp={c}: seq {seq} is not a multiple of {2 * c} (each sequence "
                                    f"is split into {2 * c} equal chunks)")
     chosen += cp_strategies(tuple(cp), gpus, gpus * nodes, cp_attention)
+    base = None
+    if unquantized is not None and quantize is None:
+        raise MemoryInputError("unquantized= goes with quantize='nf4'")
+    if quantize is not None:
+        base = quantized_base(model, quantize, precision, gpus * nodes, unquantized)
+        other = [s.key for s in chosen if s.key not in QUANTIZED_KEYS]
+        if cp or (strategies is not None and other):
+            raise MemoryInputError(
+                f"quantize={quantize!r} trains on DDP and FSDP2: weigh {', '.join(QUANTIZED_KEYS)}, "
+                f"not {', '.join(other)}")
+        chosen = [s for s in chosen if s.key in QUANTIZED_KEYS]
     network = Network(gpus_per_node=gpus, nodes=nodes, intra_node_bw=intra_node_bw * 1e9,
                       inter_node_bw=inter_node_bw * 1e9, flops=dev.tflops * 1e12)
     return BudgetSolver(model=model, plan=plan, strategies=tuple(chosen), network=network, dev=dev,
                         batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                         margin=margin, reserve=reserve, choices=tuple(choices), inputs=inputs,
-                        fast_trace=fast_trace, attention=attention_shape(model) if cp else None)
+                        fast_trace=fast_trace, attention=attention_shape(model) if cp else None,
+                        quantized=base)
 
 
 def _device(name: str, tflops: float | None, hbm_bw: float | None, host_bw: float | None) -> Device:
@@ -299,6 +323,9 @@ class BudgetSolver:
     fast_trace: bool = True
     #: The attention's shape, for context-parallel strategies (``None``: none weighed).
     attention: AttentionShape | None = None
+    #: A frozen base quantized on load (QLoRA): its stored bytes and its dequantization
+    #: transients, traced where they happen (`annot.memory.quantized_base`).
+    quantized: QuantizedBase | None = None
 
     def __post_init__(self) -> None:
         self.paths = block_paths(self.plan)
@@ -306,8 +333,10 @@ class BudgetSolver:
             raise MemoryInputError(
                 f"the Plan of {self.plan.model} has no block to choose for (no checkpointed or "
                 "sharded unit): pass plan= (a policy selecting the repeated blocks)")
-        self.facts = model_facts(self.model, self.plan)
-        self.records = param_records(self.model, self.plan)
+        base = self.quantized
+        self.facts = model_facts(self.model, self.plan, **(base.facts_options() if base is not None else {}))
+        self.records = param_records(self.model, self.plan,
+                                     *((base.weights, base.costs.stored) if base is not None else ()))
         self.buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
         self._settings: dict[tuple[Any, ...], _Setting] = {}
         self._traces: dict[tuple[Any, ...], StepTrace] = {}
@@ -582,6 +611,12 @@ class BudgetSolver:
         """The fastest answer within ``budget`` bytes per GPU (`BudgetError` if none).
         Every strategy is solved on the per-block model; the fastest are traced as they
         run, in order, until none left could beat the fastest traced one."""
+        # Every trace (made lazily, here or in smallest_budget) sees a quantized base's
+        # dequantization transients: the hooks travel with the copies the traces make.
+        with dequantization_in_trace(self.model, self.quantized):
+            return self._fit(budget)
+
+    def _fit(self, budget: int) -> BudgetAnswer:
         if budget <= 0:
             raise MemoryInputError(f"the budget must be a positive number of bytes, got {budget}")
         modelled: list[tuple[float, int, Strategy, float, dict[str, str]]] = []
@@ -619,7 +654,7 @@ class BudgetSolver:
             memory = self._memory(s, self._traced(s, best[3]))
             fits[s.key] = StrategyFit(s.key, s.label, True, memory.device, best[0], _parts(memory))
         if best is None:
-            smallest, key = self.smallest_budget()
+            smallest, key = self._smallest_budget()
             raise BudgetError(
                 f"nothing fits {format_bytes(budget)} per GPU: the smallest budget that would is "
                 f"{format_bytes(smallest)} ({self._label(key)}, every block at its least memory)"
@@ -631,7 +666,9 @@ class BudgetSolver:
             budget_bytes=budget, strategy=s.key, label=s.label, engine=s.engine,
             options=s.engine_options(self.precision), plan=self.plan_for(blocks), blocks=blocks,
             peak_bytes=peak, step_time_s=step, checkpoint_all_step_s=self._checkpoint_all(s, budget),
-            call=_call(s, self.precision), margin=self.margin, reserve=self.reserve,
+            call=(_call(s, self.precision) if self.quantized is None
+                  else from_pretrained_call(s, self.quantized.format, self.precision, None, plan=True)),
+            margin=self.margin, reserve=self.reserve,
             device=self.dev.name, strategies=tuple(fits[x.key] for x in self.strategies))
 
     def _best_found(self, counted: float) -> _Found | None:
@@ -663,6 +700,10 @@ class BudgetSolver:
         model's least over strategies, raised to what the trace of that strategy with
         every block at its least memory needs (the model can be short; the trace is what
         runs)."""
+        with dequantization_in_trace(self.model, self.quantized):
+            return self._smallest_budget()
+
+    def _smallest_budget(self) -> tuple[int | None, str | None]:
         best: tuple[int, Strategy] | None = None
         for s in self.strategies:
             lo, hi = 0.0, float(1 << 50)

@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from annot.huggingface.model import training_forward_kwargs
+from annot.huggingface.model import cache_off_in_training
 from annot.memory.activations import InputsFn, _traceable, fake_copy
 from annot.memory.counting import FlopCount, storage_key
 from annot.memory.inputs import step_inputs
@@ -210,10 +210,9 @@ def profile_blocks(model: nn.Module, paths: list[str], *, batch: int, seq: int,
         handles.append(copy.get_submodule(path).register_forward_hook(leave))
     copy.train()
     try:
-        with fake_mode, recorder, _traceable(), \
+        with fake_mode, recorder, _traceable(), cache_off_in_training(copy), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             args, kwargs, loss_of = step_inputs(inputs, copy, batch, seq)
-            kwargs = training_forward_kwargs(copy, args, kwargs)
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
                 loss_of(copy(*args, **kwargs))
     finally:

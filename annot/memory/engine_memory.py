@@ -160,7 +160,9 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     if strategy.engine == "ddp":
         # Parameters, gradients living in DDP's buckets (views with
         # gradient_as_bucket_view, else a second copy beside .grad), optimizer states.
-        static = {"params": P * b["param"], "grad buckets": T * b["grad"], "optimizer": T * states}
+        # A quantized base (QLoRA) is held whole in its packed bytes on every rank.
+        static = {"params": facts.stored(P, facts.quantized, b["param"]), "grad buckets": T * b["grad"],
+                  "optimizer": T * states}
         act = trace.peak if ddp_bucket_view else trace.peak_with_grads
         step = {"optimizer step temporaries": T * temp}
         return _peak(static, [("forward/backward", {"activations": act})], step, points)
@@ -236,7 +238,7 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     # reduce-scatter input exist. Without resharding a unit stays gathered from its
     # forward to its backward.
     off = HOST if strategy.offload_params else ""
-    # A quantized base (FSDP2 only: QLoRA) shards, gathers and keeps its packed bytes.
+    # A quantized base (QLoRA) shards, gathers and keeps its packed bytes.
     stored = -(-facts.stored(P, facts.quantized, b["param"]) // n)
     static = {f"{off}sharded parameters + optimizer": stored + trained_shard * states}
     reshard = strategy.stage == 3

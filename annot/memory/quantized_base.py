@@ -33,8 +33,8 @@ from torch import nn
 __all__ = ["QUANTIZED_KEYS", "QuantizedBase", "QuantizedCosts", "dequantization_in_trace",
            "from_pretrained_call", "nf4_costs", "quantized_base", "quantized_weights"]
 
-#: The planner's rows that train a quantized base: FSDP2 on one mesh dimension.
-QUANTIZED_KEYS = ("fsdp2-no-reshard", "fsdp2", "fsdp2-offload")
+#: The planner's rows that train a quantized base: DDP, and FSDP2 on one mesh dimension.
+QUANTIZED_KEYS = ("ddp", "fsdp2-no-reshard", "fsdp2", "fsdp2-offload")
 
 #: The weight `nf4_costs` measures on: 256 x 1024 weights, 16 whole blocks of 64 x 256.
 _PROBE_SHAPE = (256, 1024)
@@ -114,7 +114,7 @@ def quantized_base(model: nn.Module, quantize: str, precision: str, world: int,
     weights = quantized_weights(model, linears.quantized)
     said = (f"quantized base: {len(weights)} linear weights in NF4 at {costs.stored:.3f} bytes a "
             f"weight; dequantizing one peaks at {costs.dequantize:.1f} bytes a weight in "
-            f"{str(dtype).removeprefix('torch.')} (both counted on torchao); FSDP2 rows only")
+            f"{str(dtype).removeprefix('torch.')} (both counted on torchao); DDP and FSDP2 rows only")
     return QuantizedBase(quantize, frozenset(weights), costs, said)
 
 
@@ -163,13 +163,16 @@ def _in_backward(nbytes: int) -> Any:
     return after
 
 
-def from_pretrained_call(strategy: Any, quantize: str, precision: str, checkpoint: bool | None) -> str:
+def from_pretrained_call(strategy: Any, quantize: str, precision: str, checkpoint: bool | None,
+                         *, plan: bool = False) -> str:
     """The ``annot.from_pretrained`` call that trains a quantized base on ``strategy``
-    (an FSDP2 row), as code: the dtype is chosen when loading (a quantized model refuses
-    ``model.to(dtype)``)."""
+    (a DDP or FSDP2 row), as code: the dtype is chosen when loading (a quantized model refuses
+    ``model.to(dtype)``). ``plan``: the call passes the answer's Plan (``policy=plan``, a
+    budget's per-block choices) on to ``auto_wrap``."""
     dtype = "bfloat16" if precision == "bf16" else "float32"
-    options = [f"{key}={value!r}" for key, value in strategy.engine_options(precision).items()]
+    options = ["policy=plan"] if plan else []
+    options += [f"{key}={value!r}" for key, value in strategy.engine_options(precision).items()]
     if checkpoint is not None:
         options.append(f"checkpoint={checkpoint}")
-    return (f'annot.from_pretrained(DIR, "fsdp2", peft_config=..., quantize="{quantize}", '
+    return (f'annot.from_pretrained(DIR, "{strategy.engine}", peft_config=..., quantize="{quantize}", '
             f"torch_dtype=torch.{dtype}{''.join(', ' + o for o in options)})")

@@ -506,7 +506,9 @@ def estimate_memory(
     the ranks of each strategy), priced by what torchao's NF4 holds (packed codes and
     scales, sharded and gathered by FSDP2) and the peak of dequantizing the largest
     quantized weight, both counted on torchao (`annot.memory.quantized_base`). Only the
-    FSDP2 rows are weighed: annot trains a quantized base on FSDP2 alone. The stored
+    DDP and FSDP2 rows are weighed: the engines annot trains a quantized base on (DDP
+    priced with the linears FSDP2 would quantize on these ranks: a weight that does not
+    split into whole blocks over them is quantized under DDP, a little less memory). The stored
     dtype is bf16 for ``precision="bf16"``, else fp32. ``unquantized``: the rule of
     modules whose linears stay in the model's dtype, as ``from_pretrained`` takes it.
     """
@@ -549,7 +551,7 @@ def estimate_memory(
             if quantize is not None else None)
     if base is not None:
         if user_ds is not None or cp:
-            raise MemoryInputError("quantize= prices FSDP2 rows only: leave out deepspeed_config= and cp=")
+            raise MemoryInputError("quantize= prices DDP and FSDP2 rows only: leave out deepspeed_config= and cp=")
         styles, unavailable = {}, ()
     rows, activations, strategies, assumptions = _rows(
         model, plan, network=network, batch=batch, seq=seq, precision=precision,

@@ -19,21 +19,28 @@ With ``--cp N`` (FSDP2 or DeepSpeed) each sequence is split over N ranks (contex
 computes on its part, and the loss is the whole sequences'; ``--nproc_per_node N --cp N``
 prints the losses of one process.
 
-With ``--resume DIR`` it continues from the newest complete training state in DIR (model,
-optimizer, step, RNG and the position in the data stream; any world size or engine), if
-there is one, and with ``--save-every N`` saves one there every N steps
-(`annot.save_state`, the last two kept). Resumed with as many ranks, it prints the losses
-the uninterrupted run printed; on another number of ranks it continues from the same
-sequence of the stream (keep N x batch_size to see the same sequences per step).
+With ``--resume DIR`` the loop runs inside `annot.Interruptions`: it continues from the
+newest training state in DIR that loads (model, optimizer, step, RNG and the position in
+the data stream; any world size or engine; a damaged newer one is named and passed
+over), if there is one; with ``--save-every N`` it saves one there every N steps
+(`annot.save_state`, the last two kept; ``--async-save`` writes them in the background);
+on SIGTERM or SIGUSR1 every rank saves at the next step and exits 0; a collective that
+hangs past ``--collective-timeout`` seconds is named and ends the process with status 1.
+So ``torchrun --max-restarts N`` and a scheduler's requeue need nothing else. Resumed
+with as many ranks, it prints the losses the uninterrupted run printed; on another
+number of ranks it continues from the same sequence of the stream (keep N x batch_size
+to see the same sequences per step). What each save cost is logged.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -43,6 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the checkout's `examples`
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import annot  # noqa: E402
+from annot.interruptions import DEFAULT_COLLECTIVE_TIMEOUT_S  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
 
 
@@ -71,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="continue from the newest training state in DIR, and save there")
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
                         help="with --resume: save the training state every N steps")
+    parser.add_argument("--async-save", action="store_true",
+                        help="with --save-every: write the saves in the background")
+    parser.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+                        metavar="S", help="with --resume: bound on a collective after the first step")
+    parser.add_argument("--digest", action="store_true",
+                        help="print each loss to the last bit and, at the end, a digest of the weights")
     return parser.parse_args(argv)
 
 
@@ -87,6 +101,34 @@ class CountingSequences(torch.utils.data.Dataset[torch.Tensor]):
         value = int.from_bytes(digest, "little")
         start, stride = value % self.vocab, 1 + (value // self.vocab) % 3
         return (start + stride * torch.arange(self.length + 1)) % self.vocab
+
+
+def train_step(trainer: annot.Trainable, batches: Iterator[torch.Tensor], device: torch.device,
+               world: int) -> float:
+    """One step on the next batch; the loss averaged over the ranks."""
+    batch = next(batches).to(device)
+    _, loss = trainer(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
+    trainer.backward(loss)
+    trainer.step()
+    trainer.zero_grad()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean.item() / world
+
+
+def report(step: int, loss: float, rank: int, exact: bool) -> None:
+    if rank == 0:
+        print(f"step {step:3d}  loss {loss!r}" if exact else f"step {step:3d}  loss {loss:.6f}", flush=True)
+
+
+def weights_digest(trainer: annot.Trainable) -> str:
+    """A digest of every weight, whole (sharded ones gathered: collective)."""
+    digest = hashlib.sha256()
+    for name, param in sorted(trainer.model.named_parameters()):
+        whole = param.full_tensor() if hasattr(param, "full_tensor") else param
+        digest.update(name.encode())
+        digest.update(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -120,28 +162,33 @@ def main(argv: list[str] | None = None) -> list[float]:
         data = annot.ResumableLoader(
             CountingSequences(args.block_size, args.vocab_size, args.seed + 1),
             batch_size=args.batch_size, rank=rank // args.cp, world_size=world // args.cp)
-        first_step = 0
-        if args.resume and annot.latest_state(args.resume) is not None:
-            first_step = annot.load_state(args.resume, trainer, data=data).step
-            if rank == 0:
-                print(f"resumed from {annot.latest_state(args.resume)} at step {first_step}, "
-                      f"sequence {data.position} of the data", flush=True)
-        batches = iter(data)
-        losses = []
+        losses: list[float] = []
         start = time.perf_counter()
-        for step in range(first_step, args.steps):
-            batch = next(batches).to(device)
-            _, loss = trainer(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
-            trainer.backward(loss)
-            trainer.step()
-            trainer.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world)
+        if args.resume:
+            logging.basicConfig(format="%(message)s")  # annot's resumes and save costs, said
+            logging.getLogger("annot").setLevel(logging.INFO)
+            with annot.Interruptions(args.resume, trainer, data=data,
+                                     collective_timeout=args.collective_timeout) as run:
+                first_step = run.resume()
+                if rank == 0 and first_step:
+                    print(f"resumed at step {first_step}, sequence {data.position} of the data", flush=True)
+                batches = iter(data)  # from the position the resume put back
+                for step in range(first_step, args.steps):
+                    losses.append(train_step(trainer, batches, device, world))
+                    report(step, losses[-1], rank, args.digest)
+                    run.step_done(step + 1)  # on SIGTERM/SIGUSR1: saves step + 1, exits 0
+                    if args.save_every and (step + 1) % args.save_every == 0:
+                        annot.save_state(args.resume, trainer, step=step + 1, data=data, keep_last=2,
+                                         async_save=args.async_save)
+        else:
+            batches = iter(data)
+            for step in range(args.steps):
+                losses.append(train_step(trainer, batches, device, world))
+                report(step, losses[-1], rank, args.digest)
+        if args.digest:
+            digest = weights_digest(trainer)
             if rank == 0:
-                print(f"step {step:3d}  loss {losses[-1]:.6f}", flush=True)
-            if args.resume and args.save_every and (step + 1) % args.save_every == 0:
-                annot.save_state(args.resume, trainer, step=step + 1, data=data, keep_last=2)
+                print(f"weights {digest}", flush=True)
         if rank == 0 and losses:
             print(f"{args.engine} on {world} process(es): loss {losses[0]:.4f} -> "
                   f"{losses[-1]:.4f} in {len(losses)} steps, {time.perf_counter() - start:.1f} s")

@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from annot.huggingface.model import training_forward_kwargs
+from annot.huggingface.model import cache_off_in_training
 from annot.memory.activations import _torch_linear, default_inputs, trace_step
 from annot.memory.counting import LiveBytes
 from annot.memory.inputs import default_loss
@@ -111,9 +111,9 @@ def _real_peak(model, batch: int, seq: int) -> int:
         counter.exclude(kept)
     model.train()
     # torch's F.linear, as the trace runs it (a ZeRO-3 run earlier in the process replaces it).
-    with _torch_linear(), counter, _BalancedTopk():
+    with _torch_linear(), counter, _BalancedTopk(), cache_off_in_training(model):
         args, kwargs = default_inputs(model, batch, seq)
-        loss = default_loss(model(*args, **training_forward_kwargs(model, args, kwargs)))
+        loss = default_loss(model(*args, **kwargs))
         loss.backward()
         del loss
     model.zero_grad(set_to_none=True)

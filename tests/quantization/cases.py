@@ -68,3 +68,17 @@ def adapter_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             grad = param.grad
             out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
     return out
+
+
+def quantized_digest(model: torch.nn.Module) -> dict[str, tuple[int, int, float]]:
+    """Per NF4 weight this rank holds (its rows, under FSDP2): the sums of its packed
+    codes, its quantized scalers and its scale factors, keyed by the unwrapped name."""
+    out = {}
+    for name, param in model.named_parameters():
+        local = getattr(param, "_local_tensor", param)
+        if type(local).__name__ == "NF4Tensor":
+            out[name.removeprefix("module.")] = (
+                int(local.quantized_data.to(torch.int64).sum()),
+                int(local.quantized_scalers.to(torch.int64).sum()),
+                float(local.quantization_factor.double().sum()))
+    return out

@@ -1,10 +1,10 @@
 """2-rank worker: the counted peaks of QLoRA training steps, for the planner's check.
 
-Args: OUT DIR BATCH SEQ.
+Args: OUT DIR BATCH SEQ [ENGINE] (ENGINE: "fsdp2", the default, or "ddp").
 
 For each of plain and checkpointed (``checkpoint=False``, then ``True``), each rank
 counts live tensor bytes (`annot.memory.counting.LiveBytes`, entered before the model is
-built, so every storage is seen) while ``annot.from_pretrained(DIR, "fsdp2",
+built, so every storage is seen) while ``annot.from_pretrained(DIR, ENGINE,
 peft_config=..., quantize="nf4")`` loads the model and 3 AdamW steps (torch's foreach
 step, as the planner prices) train it on BATCH sequences of SEQ tokens per rank; the
 peak is taken over the steps (reset after the load). Rank 0 returns
@@ -25,16 +25,16 @@ from tests.quantization.cases import LR, SEED, lora
 STEPS = 3
 
 
-def _peak(folder: str, batch: int, seq: int, checkpoint: bool) -> int:
+def _peak(folder: str, batch: int, seq: int, checkpoint: bool, engine: str) -> int:
     generator = torch.Generator().manual_seed(dist.get_rank())
     counter = LiveBytes()
     with counter:
         torch.manual_seed(SEED)
-        model = annot.from_pretrained(folder, "fsdp2", peft_config=lora(), quantize="nf4",
+        model = annot.from_pretrained(folder, engine, peft_config=lora(), quantize="nf4",
                                       checkpoint=checkpoint)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
                                       foreach=True)
-        vocab = model.get_input_embeddings().num_embeddings
+        vocab = getattr(model, "module", model).get_input_embeddings().num_embeddings
         counter.reset_peak()
         for _ in range(STEPS):
             tokens = torch.randint(0, vocab, (batch, seq), generator=generator)
@@ -48,11 +48,11 @@ def _peak(folder: str, batch: int, seq: int, checkpoint: bool) -> int:
     return counter.peak
 
 
-def run(folder: str, batch: str, seq: str) -> dict[str, list[int]]:
+def run(folder: str, batch: str, seq: str, engine: str = "fsdp2") -> dict[str, list[int]]:
     out = {}
     for name, checkpoint in (("plain", False), ("checkpoint", True)):
         peaks: list = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, _peak(folder, int(batch), int(seq), checkpoint))
+        dist.all_gather_object(peaks, _peak(folder, int(batch), int(seq), checkpoint, engine))
         out[name] = peaks
     return out
 

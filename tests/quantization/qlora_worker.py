@@ -1,8 +1,8 @@
 """2-rank worker: ``annot.from_pretrained(DIR, "fsdp2", peft_config=..., quantize="nf4")``
-trained for `STEPS` steps of AdamW; rank 0 returns each step's mean loss and the
-adapters' gradients (gathered whole).
+trained for `STEPS` steps of AdamW; rank 0 returns each step's mean loss, the
+adapters' gradients (gathered whole) and each rank's digest of its quantized bytes.
 
-Args: OUT DIR [checkpoint] [offload] [save=FOLDER].
+Args: OUT DIR [checkpoint] [offload] [ddp] [save=FOLDER]. ``ddp``: engine "ddp" instead.
 
 With ``save=FOLDER`` the same launch also saves and resumes: ``annot.save_state`` after
 `RESUME_AT` steps, then after the last step the adapters (``peft="adapter"``), the merged
@@ -20,13 +20,24 @@ import torch.distributed as dist
 
 import annot
 from tests.distributed import worker_main
-from tests.quantization.cases import BATCHES, LR, PROBE, RESUME_AT, SEED, adapter_grads, lora
+from tests.quantization.cases import (
+    BATCHES,
+    LR,
+    PROBE,
+    RESUME_AT,
+    SEED,
+    adapter_grads,
+    lora,
+    quantized_digest,
+)
 
 
 def _build(folder: str, flags: tuple[str, ...], seed: int) -> tuple[Any, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = annot.from_pretrained(folder, "fsdp2", peft_config=lora(), quantize="nf4",
-                                  checkpoint="checkpoint" in flags, offload="offload" in flags)
+    engine = "ddp" if "ddp" in flags else "fsdp2"
+    options = {"offload": True} if "offload" in flags else {}
+    model = annot.from_pretrained(folder, engine, peft_config=lora(), quantize="nf4",
+                                  checkpoint="checkpoint" in flags, **options)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     return model, optimizer
 
@@ -39,7 +50,7 @@ def _step(model: Any, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) ->
     rows = tokens[rank * per_rank:(rank + 1) * per_rank]
     loss = model(input_ids=rows, labels=rows).loss
     loss.backward()
-    grads = adapter_grads(model)
+    grads = adapter_grads(getattr(model, "module", model))  # DDP's names without "module."
     optimizer.step()
     optimizer.zero_grad()
     mean = loss.detach().clone()
@@ -59,7 +70,9 @@ def run(folder: str, *flags: str) -> dict:
         losses.append(loss)
         grads.append(step_grads)
     quantized = sum(type(getattr(p, "_local_tensor", p)).__name__ == "NF4Tensor" for p in model.parameters())
-    result: dict[str, Any] = {"losses": losses, "grads": grads, "quantized": quantized}
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, quantized_digest(model))
+    result: dict[str, Any] = {"losses": losses, "grads": grads, "quantized": quantized, "digests": digests}
     if out is None:
         return result
     annot.save(model, out / "adapter", peft="adapter")
