@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -109,6 +110,7 @@ class Interruptions:
             signal.signal(sig, handler)
         self._previous.clear()
         if exc is not None and is_collective_failure(exc) and dist.is_initialized():
+            traceback.print_exception(exc, file=sys.stderr)  # where it failed, as Python says
             print(hang_report(exc, self.traces), file=sys.stderr, flush=True)
             # Teardown would wait on the peer that is gone (destroying the group, a
             # pending save's collectives): leave now, so torchrun restarts the job.

@@ -35,6 +35,7 @@ __all__ = ["PROGRESS_FILE", "read_progress", "restart_count", "resume_state", "w
 
 #: The last step boundary a run passed, beside its saves (written by rank 0).
 PROGRESS_FILE = "progress.json"
+_ELSEWHERE = "another rank could not load it"
 _log = logging.getLogger("annot")
 
 
@@ -83,7 +84,8 @@ def resume_state(directory: str | os.PathLike[str], trainable: Trainable, *, sch
     for path in reversed(committed_states(directory)):
         failure = _try_load(path, trainable, scheduler=scheduler, data=data, strict=strict)
         if isinstance(failure, str):
-            _log.warning("%s: not loadable (%s); trying the save before it", path, failure)
+            if _is_rank0() or not failure.startswith(_ELSEWHERE):  # each reason once
+                _log.warning("%s: not loadable (%s); trying the save before it", path, failure)
             continue
         _report(directory, failure, progress, restarts)
         return failure
@@ -96,16 +98,18 @@ def resume_state(directory: str | os.PathLike[str], trainable: Trainable, *, sch
 def _try_load(path: Path, trainable: Trainable, **options: Any) -> ResumedState | str:
     """The state loaded from ``path``, or why it could not be (every rank gets the same
     answer: a failure on one rank is a failure on all)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     reason = ""
     resumed: ResumedState | None = None
     try:
         commit.require_committed(path)  # sizes from the commit record: the same on every rank
         resumed = load_state(path, trainable, **options)
-    except (CheckpointError, OSError, ValueError, RuntimeError) as exc:
+    except (CheckpointError, CheckpointException, OSError, ValueError, RuntimeError) as exc:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
     failed = _anyone(bool(reason))
     if failed:
-        return reason or "another rank could not load it"
+        return reason or _ELSEWHERE
     assert resumed is not None
     return resumed
 

@@ -159,7 +159,7 @@ def finish_pending_saves() -> None:
 def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step: int,
                scheduler: Any = None, extra: dict[str, Any] | None = None,
                data: Any = None, keep_last: int | None = None,
-               async_save: bool = False) -> Path | PendingSave:
+               async_save: bool | str = False) -> Path | PendingSave:
     """Save ``trainable``'s whole training state to ``directory/step-<step>``.
 
     Collective: every rank calls it and writes only its own pieces. ``scheduler``: an LR
@@ -169,10 +169,16 @@ def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step:
     whose position is global and so resumes on any world size); each rank's is saved.
     ``keep_last=K`` deletes all but the K newest committed states under ``directory``
     after this one is committed.
-    ``async_save=True`` returns once the tensors are copied (``dcp.async_save``) and
-    writes them in the background; the returned `PendingSave` commits on ``wait()``, or
-    at the next `save_state`. Returns the committed folder (or the pending save).
+    ``async_save=True`` (or ``"thread"``) returns once the tensors are copied
+    (``dcp.async_save``) and writes them from a thread; ``async_save="process"`` copies
+    them into shared memory (pinned on CUDA) and writes them from torch's checkpoint
+    process (spawned once: the script's entry point must sit under ``if __name__ ==
+    "__main__":``, which the spawned process imports). The returned `PendingSave`
+    commits on ``wait()``, at the next `save_state`, or with `finish_pending_saves`.
+    Returns the committed folder (or the pending save).
     """
+    if async_save not in (False, True, "thread", "process"):
+        raise ValueError(f"async_save takes False, True, 'thread' or 'process', not {async_save!r}")
     if not isinstance(trainable, Trainable):
         raise TypeError(f"save_state takes the Trainable auto_wrap(..., optimizer=...) returns, "
                         f"not {type(trainable).__name__}")
@@ -187,7 +193,7 @@ def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step:
 
 
 def _save_state(directory: Path, trainable: Trainable, *, step: int, scheduler: Any,
-                extra: dict[str, Any] | None, data: Any, keep_last: int | None, async_save: bool,
+                extra: dict[str, Any] | None, data: Any, keep_last: int | None, async_save: bool | str,
                 started: float) -> Path | PendingSave:
     _finish_pending()
     import torch.distributed.checkpoint as dcp
@@ -218,7 +224,8 @@ def _save_state(directory: Path, trainable: Trainable, *, step: int, scheduler: 
         commit.write_json(staging / _data_file(rank), data_state)
     writer = dcp.FileSystemWriter(str(staging))
     if async_save:
-        future = dcp.async_save(state, storage_writer=writer, process_group=_background_group())
+        future = dcp.async_save(state, storage_writer=writer, process_group=_background_group(),
+                                **(_in_a_process() if async_save == "process" else {}))
         pending = PendingSave(future, staging, final, directory, info, keep_last, started=started,
                               blocked_s=time.perf_counter() - started)
         future.add_done_callback(  # type: ignore[union-attr]  # a Future: no stager given
@@ -241,6 +248,19 @@ def _log_cost(final: Path, blocked: float, total: float, *, written: float | Non
         background = "" if written is None else f", written in the background in {written:.2f} s"
         _log.info("saved %s: training blocked %.2f s%s, committed after %.2f s", final.name, blocked,
                   background, total)
+
+
+def _in_a_process() -> dict[str, Any]:
+    """``dcp.async_save``'s options for torch's checkpoint process: the tensors staged
+    into shared memory (pinned where CUDA is), synchronously, so training may change them
+    as soon as `save_state` returns."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    cuda = torch.cuda.is_available()
+    return {"async_checkpointer_type": AsyncCheckpointerType.PROCESS,
+            "async_stager": DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
+                                                         use_async_staging=False, use_non_blocking_copy=False))}
 
 
 def _background_group() -> Any:

@@ -23,7 +23,8 @@ With ``--resume DIR`` the loop runs inside `annot.Interruptions`: it continues f
 newest training state in DIR that loads (model, optimizer, step, RNG and the position in
 the data stream; any world size or engine; a damaged newer one is named and passed
 over), if there is one; with ``--save-every N`` it saves one there every N steps
-(`annot.save_state`, the last two kept; ``--async-save`` writes them in the background);
+(`annot.save_state`, the last two kept; ``--async-save [thread|process]`` writes them in
+the background);
 on SIGTERM or SIGUSR1 every rank saves at the next step and exits 0; a collective that
 hangs past ``--collective-timeout`` seconds is named and ends the process with status 1.
 So ``torchrun --max-restarts N`` and a scheduler's requeue need nothing else. Resumed
@@ -79,8 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="continue from the newest training state in DIR, and save there")
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
                         help="with --resume: save the training state every N steps")
-    parser.add_argument("--async-save", action="store_true",
-                        help="with --save-every: write the saves in the background")
+    parser.add_argument("--async-save", nargs="?", const="thread", choices=("thread", "process"),
+                        help="with --save-every: write the saves in the background, from a thread "
+                             "(the default) or from torch's checkpoint process")
     parser.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
                         metavar="S", help="with --resume: bound on a collective after the first step")
     parser.add_argument("--digest", action="store_true",
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> list[float]:
                     run.step_done(step + 1)  # on SIGTERM/SIGUSR1: saves step + 1, exits 0
                     if args.save_every and (step + 1) % args.save_every == 0:
                         annot.save_state(args.resume, trainer, step=step + 1, data=data, keep_last=2,
-                                         async_save=args.async_save)
+                                         async_save=args.async_save or False)
         else:
             batches = iter(data)
             for step in range(args.steps):

@@ -6,8 +6,9 @@ last bit) of a run never interrupted:
 
 - a rank killed (SIGKILL) mid-step, and one killed while a save commits;
 - SIGUSR1 to one rank: both save the same step and exit 0; relaunched, the run goes on;
-- a signal while an asynchronous save is still being written: that save is committed
-  first, and the relaunch resumes from the newer one;
+- a signal while an asynchronous save is still being written (from a thread, or from
+  torch's checkpoint process): that save is committed first, and the relaunch resumes
+  from the newer one;
 - SIGTERM to the torchrun agent itself: the workers save and exit within torchrun's
   shutdown time; relaunched, the run goes on;
 - the newest state damaged (a shard truncated; a rank's file removed): the resume names
@@ -111,8 +112,9 @@ def test_sigusr1_to_one_rank_saves_both_at_the_same_step_and_exits_0(tmp_path, s
     _assert_like_straight(out + resumed, straight)
 
 
-def test_a_signal_while_an_async_save_is_written_commits_it_then_saves_again(tmp_path, straight):
-    out = _launch("--steps", str(STEPS), "--resume", str(tmp_path), "--save-every", "2", "--async-save",
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_signal_while_an_async_save_is_written_commits_it_then_saves_again(writer, tmp_path, straight):
+    out = _launch("--steps", str(STEPS), "--resume", str(tmp_path), "--save-every", "2", "--async-save", writer,
                   fault="signal-after-save:4:0:SIGTERM", restarts=0)
     committed = sorted(p.name for p in tmp_path.glob("step-*"))
     assert committed[-2:] == ["step-00000004", "step-00000005"], committed

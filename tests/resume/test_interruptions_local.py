@@ -60,6 +60,21 @@ def test_a_damaged_newest_save_is_named_and_the_one_before_it_loads(tmp_path, ca
         annot.load_state(tmp_path, _trainable())
 
 
+def test_a_save_whose_bytes_do_not_read_is_passed_over_too(tmp_path, caplog):
+    # The sizes match the commit record, the contents do not read: the load itself fails
+    # (DCP raises a BaseException, CheckpointException), and the save before it is taken.
+    trainable = _trainable()
+    for step in (1, 2):
+        _step(trainable, step)
+        annot.save_state(tmp_path, trainable, step=step)
+    shard = next((tmp_path / "step-00000002").glob("*.distcp"))
+    shard.write_bytes(bytes(shard.stat().st_size))
+    with caplog.at_level(logging.WARNING, logger="annot"):
+        resumed = annot.resume_state(tmp_path, _trainable(seed=3))
+    assert resumed is not None and resumed.step == 1
+    assert "step-00000002: not loadable" in caplog.text
+
+
 def test_no_save_at_all_starts_fresh(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="annot"):
         assert annot.resume_state(tmp_path / "none", _trainable()) is None
@@ -107,6 +122,8 @@ def test_bad_arguments_are_refused(tmp_path):
         annot.Interruptions(tmp_path, _trainable(), collective_timeout=0)
     with pytest.raises(ValueError, match="positive"):
         annot.set_collective_timeout(-1)
+    with pytest.raises(ValueError, match="'thread' or 'process'"):
+        annot.save_state(tmp_path, _trainable(), step=1, async_save="fork")
 
 
 def test_collective_failures_are_told_from_other_errors():
