@@ -21,9 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
-from annot.process_group import collective_timeout, heartbeat_snapshot
+from annot.process_group import collective_timeout, heartbeat_snapshot, rank_and_world
 
 __all__ = ["dump_flight_recorder", "hang_report", "is_collective_failure"]
 
@@ -53,7 +51,7 @@ def dump_flight_recorder(folder: str | os.PathLike[str]) -> Path | None:
         return None
     if not data:
         return None
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = rank_and_world()[0]
     path = Path(folder) / f"rank_{rank}"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
@@ -80,7 +78,7 @@ def hang_report(exc: BaseException, folder: str | os.PathLike[str] | None) -> st
     stopped (the store read twice, a beat interval and a half apart), each rank's last
     step boundary, the collective this rank waited in, and where its trace was written
     (``folder``; none written for ``None``). Meant for a message before exiting."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = rank_and_world()[0]
     lines = [f"annot: rank {rank}: a collective failed after the {collective_timeout():g} s bound "
              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"]
     silent = _silent_ranks()

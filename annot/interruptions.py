@@ -39,13 +39,12 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from annot.collective_hangs import hang_report, is_collective_failure
 from annot.engines.base import Trainable
-from annot.process_group import note_step, set_collective_timeout
-from annot.resume import resume_state, write_progress
+from annot.process_group import any_rank, note_step, rank_and_world, set_collective_timeout
+from annot.resume import restart_count, resume_state, write_progress
 from annot.training_state import finish_pending_saves, save_state
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "DEFAULT_SIGNALS", "HANG_EXIT_STATUS", "Interruptions"]
@@ -84,7 +83,6 @@ class Interruptions:
         self.trainable, self.data, self.scheduler = trainable, data, scheduler
         self.signals = tuple(signal.Signals(s) for s in signals)
         self.collective_timeout = collective_timeout
-        from annot.resume import restart_count
         self.traces = Path(traces) if traces is not None else \
             self.directory / "collective-traces" / f"attempt-{restart_count()}"
         self.exit = exit
@@ -145,7 +143,7 @@ class Interruptions:
             return False
         started = time.perf_counter()
         save_state(self.directory, self.trainable, step=step, data=self.data, scheduler=self.scheduler)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if rank_and_world()[0] == 0:
             said = self.received.name if self.received is not None else "a signal to another rank"
             _log.warning("%s: %s: saved step %d in %.1f s; exiting 0 to be resumed", self.directory,
                          said, step, time.perf_counter() - started)
@@ -154,7 +152,4 @@ class Interruptions:
         return True
 
     def _anyone_signalled(self) -> bool:
-        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
-        if self._group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
+        return any_rank(self.received is not None, group=self._group)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from annot.devices import choose_device, distributed_backend, uses_cuda
 
-__all__ = ["DEFAULT_TIMEOUT_S", "FLIGHT_RECORDER_ENTRIES", "attempt_store", "barrier", "collective_timeout",
+__all__ = ["DEFAULT_TIMEOUT_S", "FLIGHT_RECORDER_ENTRIES", "any_rank", "attempt_store", "barrier", "collective_timeout",
            "heartbeat_snapshot", "init_distributed", "long_collectives", "note_step", "rank_and_world", "set_collective_timeout"]
 
 DEFAULT_TIMEOUT_S = 600.0  # long enough for a checkpoint save, far below torch's 30 minutes
@@ -159,6 +159,26 @@ def heartbeat_snapshot() -> dict[int, tuple[str, str | None, str]] | None:
     return beat.snapshot() if beat is not None else None
 
 
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """Whether ``flag`` is set on any rank of ``group`` (default: every rank). Collective;
+    ``flag`` itself without a process group or alone in one. The flag travels as a CPU
+    tensor where the group moves them (gloo), else on this rank's CUDA device (NCCL)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    if "gloo" not in str(dist.get_backend(group)):
+        value = value.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def _store_client(timeout: datetime.timedelta) -> dist.Store:
+    """A client of its own of the job's key-value store (this restart attempt's keys under
+    torchrun's agent store): for a thread other than the main one, or one-off reads."""
+    return attempt_store(timeout) or dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+
+
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and the world size of the default process group; ``(0, 1)``
     without one (one process: the same code runs alone)."""
@@ -182,9 +202,7 @@ class _Heartbeat(threading.Thread):
         self.interval = min(1.0, timeout / 10)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # A client of its own: the process group's store is in use by the main thread.
-        bound = datetime.timedelta(seconds=timeout)
-        self.store = attempt_store(bound) or dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=bound)
+        self.store = _store_client(datetime.timedelta(seconds=timeout))
         self.store.set(f"annot/who/{self.rank}", f"{socket.gethostname()} pid {os.getpid()}")
         self.store.set(f"annot/beat/{self.rank}", "0")
         self.stopped = threading.Event()
@@ -230,9 +248,7 @@ class _Heartbeat(threading.Thread):
     def snapshot(self) -> dict[int, tuple[str, str | None, str]]:
         """Each rank's beat counter, last step boundary and host as the store holds them
         (from the caller's thread: a client of its own)."""
-        bound = datetime.timedelta(seconds=10)
-        store = attempt_store(bound) or dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=bound)
+        store = _store_client(datetime.timedelta(seconds=10))
         out = {}
         for rank in range(self.world):
             def read(key: str) -> str | None:

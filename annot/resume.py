@@ -23,12 +23,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from annot.checkpoint_io import commit
 from annot.engines.base import Trainable
 from annot.errors import CheckpointError
+from annot.process_group import any_rank, rank_and_world
 from annot.training_state import ResumedState, committed_states, load_state
 
 __all__ = ["PROGRESS_FILE", "read_progress", "restart_count", "resume_state", "write_progress"]
@@ -51,7 +49,7 @@ def restart_count() -> int:
 def write_progress(directory: str | os.PathLike[str], step: int) -> None:
     """Record that the run passed step boundary ``step`` (rank 0 only; atomic replace, not
     synced: a lost record only makes the restart's report of lost steps vaguer)."""
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if rank_and_world()[0] != 0:
         return
     path = Path(directory) / PROGRESS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,12 +82,12 @@ def resume_state(directory: str | os.PathLike[str], trainable: Trainable, *, sch
     for path in reversed(committed_states(directory)):
         failure = _try_load(path, trainable, scheduler=scheduler, data=data, strict=strict)
         if isinstance(failure, str):
-            if _is_rank0() or not failure.startswith(_ELSEWHERE):  # each reason once
+            if rank_and_world()[0] == 0 or not failure.startswith(_ELSEWHERE):  # each reason once
                 _log.warning("%s: not loadable (%s); trying the save before it", path, failure)
             continue
         _report(directory, failure, progress, restarts)
         return failure
-    if _is_rank0():
+    if rank_and_world()[0] == 0:
         _log.warning("%s: no loadable training state; starting from step 0%s", directory,
                      f" (restart {restarts})" if restarts else "")
     return None
@@ -107,44 +105,14 @@ def _try_load(path: Path, trainable: Trainable, **options: Any) -> ResumedState 
         resumed = load_state(path, trainable, **options)
     except (CheckpointError, CheckpointException, OSError, ValueError, RuntimeError) as exc:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
-    failed = _anyone(bool(reason))
-    if failed:
+    if any_rank(bool(reason)):
         return reason or _ELSEWHERE
     assert resumed is not None
     return resumed
 
 
-def _anyone(flag: bool) -> bool:
-    """Whether ``flag`` is set on any rank (collective; the flag itself without a group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    group = _cpu_group()
-    if group is None:
-        value = value.to(_default_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
-
-
-def _cpu_group() -> Any:
-    """The default group when it moves CPU tensors (gloo), else ``None`` (NCCL only: the
-    flag goes on the device)."""
-    backend = str(dist.get_backend())
-    return dist.group.WORLD if "gloo" in backend else None
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def _report(directory: Path, resumed: ResumedState, progress: dict[str, Any] | None, restarts: int) -> None:
-    if not _is_rank0():
+    if not rank_and_world()[0] == 0:
         return
     lost = ""
     if progress is not None and progress["step"] > resumed.step:

@@ -143,17 +143,14 @@ _pending: list[PendingSave] = []
 _async_group: list[Any] = []
 
 
-def _finish_pending() -> None:
-    while _pending:
-        _pending.pop().wait()
-
-
 def finish_pending_saves() -> None:
     """Write and commit every asynchronous save still pending (`PendingSave.wait` of
-    each). Collective. A run that ends with one pending must call it (`annot.Interruptions`
-    does when its block ends), or that save stays an uncommitted staging folder."""
-    with long_collectives():
-        _finish_pending()
+    each, which lifts a short collective bound for the commit). Collective. A run that
+    ends with one pending must call it (`annot.Interruptions` does when its block ends),
+    or that save stays an uncommitted staging folder; the next `save_state` and
+    `load_state` call it first."""
+    while _pending:
+        _pending.pop().wait()
 
 
 def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step: int,
@@ -195,7 +192,7 @@ def save_state(directory: str | os.PathLike[str], trainable: Trainable, *, step:
 def _save_state(directory: Path, trainable: Trainable, *, step: int, scheduler: Any,
                 extra: dict[str, Any] | None, data: Any, keep_last: int | None, async_save: bool | str,
                 started: float) -> Path | PendingSave:
-    _finish_pending()
+    finish_pending_saves()
     import torch.distributed.checkpoint as dcp
 
     rank, world = rank_and_world()
@@ -298,7 +295,7 @@ def committed_states(directory: str | os.PathLike[str]) -> list[Path]:
 
 def latest_state(directory: str | os.PathLike[str]) -> Path | None:
     """The newest committed state under ``directory`` (None if there is none)."""
-    found = committed_states(Path(directory))
+    found = committed_states(directory)
     return found[-1] if found else None
 
 
@@ -345,7 +342,7 @@ def load_state(directory: str | os.PathLike[str], trainable: Trainable, *,
 
 def _load_state(directory: Path, trainable: Trainable, *, scheduler: Any, data: Any,
                 strict: bool) -> ResumedState:
-    _finish_pending()
+    finish_pending_saves()
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
 

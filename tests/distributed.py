@@ -177,15 +177,21 @@ def _tracebacks(lines: list[str]) -> list[str]:
     return blocks
 
 
+def torchrun_command(script: Path | str, *args: str, nproc: int = WORLD_SIZE,
+                     launcher: Sequence[str] = ()) -> list[str]:
+    """The torchrun command running ``script ARGS`` on ``nproc`` ranks of this machine, on
+    a free port; ``launcher``: torchrun's own options besides (``--max-restarts=1``)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *launcher,
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args]
+
+
 def torchrun(script: Path | str, *args: str, nproc: int = WORLD_SIZE,
              timeout: float = LAUNCH_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
     """Run ``script ARGS`` on ``nproc`` CPU ranks under torchrun (see the module
     docstring). With ``check``, a non-zero exit raises ``AssertionError`` with
     `failure_report`. Returns the completed process, stderr merged into stdout."""
     def launch() -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args]
-        return run_process(cmd, timeout=timeout, env=worker_env())
+        return run_process(torchrun_command(script, *args, nproc=nproc), timeout=timeout, env=worker_env())
 
     scratch = {folder: set(folder.iterdir()) for folder in scratch_folders(args)}
     proc = launch()

@@ -58,20 +58,21 @@ from annot.memory.choices import (
     held,
     profile_blocks,
 )
-from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, Network, param_records
+from annot.memory.communication import INTER_NODE_BW, INTRA_NODE_BW, Network
 from annot.memory.context_parallel import AttentionShape, attention_shape, cp_strategies
-from annot.memory.engine_memory import RankMemory, _bytes, model_facts
+from annot.memory.engine_memory import RankMemory, _bytes
 from annot.memory.quantized_base import (
     QUANTIZED_KEYS,
     QuantizedBase,
     dequantization_in_trace,
     from_pretrained_call,
-    quantized_base,
+    priced_base,
 )
 from annot.memory.report import (
     MARGIN,
     RESERVE,
     _seconds,
+    _states,
     _trace_setting,
     step_time,
     strategy_memory,
@@ -245,11 +246,8 @@ def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, se
             raise MemoryInputError(f"cp={c}: seq {seq} is not a multiple of {2 * c} (each sequence "
                                    f"is split into {2 * c} equal chunks)")
     chosen += cp_strategies(tuple(cp), gpus, gpus * nodes, cp_attention)
-    base = None
-    if unquantized is not None and quantize is None:
-        raise MemoryInputError("unquantized= goes with quantize='nf4'")
+    base = priced_base(model, quantize, precision, gpus * nodes, unquantized)
     if quantize is not None:
-        base = quantized_base(model, quantize, precision, gpus * nodes, unquantized)
         other = [s.key for s in chosen if s.key not in QUANTIZED_KEYS]
         if cp or (strategies is not None and other):
             raise MemoryInputError(
@@ -333,10 +331,7 @@ class BudgetSolver:
             raise MemoryInputError(
                 f"the Plan of {self.plan.model} has no block to choose for (no checkpointed or "
                 "sharded unit): pass plan= (a policy selecting the repeated blocks)")
-        base = self.quantized
-        self.facts = model_facts(self.model, self.plan, **(base.facts_options() if base is not None else {}))
-        self.records = param_records(self.model, self.plan,
-                                     *((base.weights, base.costs.stored) if base is not None else ()))
+        self.facts, self.records = _states(self.model, self.plan, self.quantized)
         self.buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
         self._settings: dict[tuple[Any, ...], _Setting] = {}
         self._traces: dict[tuple[Any, ...], StepTrace] = {}

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 __all__ = ["QUANTIZED_KEYS", "QuantizedBase", "QuantizedCosts", "dequantization_in_trace",
-           "from_pretrained_call", "nf4_costs", "quantized_base", "quantized_weights"]
+           "from_pretrained_call", "nf4_costs", "priced_base", "quantized_base", "quantized_weights"]
 
 #: The planner's rows that train a quantized base: DDP, and FSDP2 on one mesh dimension.
 QUANTIZED_KEYS = ("ddp", "fsdp2-no-reshard", "fsdp2", "fsdp2-offload")
@@ -91,6 +91,19 @@ class QuantizedBase:
     def facts_options(self) -> dict[str, Any]:
         """`annot.memory.engine_memory.model_facts`'s keywords for this base."""
         return {"quantized": self.weights, "quantized_costs": self.costs}
+
+
+def priced_base(model: nn.Module, quantize: str | None, precision: str, world: int,
+                unquantized: Any = None) -> QuantizedBase | None:
+    """`quantized_base` for the planner's ``quantize=`` option: ``None`` when it is
+    ``None``, and ``unquantized`` refused without it."""
+    from annot.memory.strategies import MemoryInputError
+
+    if quantize is None:
+        if unquantized is not None:
+            raise MemoryInputError("unquantized= goes with quantize='nf4'")
+        return None
+    return quantized_base(model, quantize, precision, world, unquantized)
 
 
 def quantized_base(model: nn.Module, quantize: str, precision: str, world: int,

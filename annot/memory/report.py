@@ -54,7 +54,7 @@ from annot.memory.quantized_base import (
     QuantizedBase,
     dequantization_in_trace,
     from_pretrained_call,
-    quantized_base,
+    priced_base,
 )
 from annot.memory.representative import fast_trace_activations, fast_trace_step
 from annot.memory.strategies import (
@@ -545,10 +545,7 @@ def estimate_memory(
     else:
         fed = "traced on the inputs of your inputs= function"
     styles, unavailable = _tensor_parallel_styles(model, tp_plan, network)
-    if unquantized is not None and quantize is None:
-        raise MemoryInputError("unquantized= goes with quantize='nf4'")
-    base = (quantized_base(model, quantize, precision, network.world, unquantized)
-            if quantize is not None else None)
+    base = priced_base(model, quantize, precision, network.world, unquantized)
     if base is not None:
         if user_ds is not None or cp:
             raise MemoryInputError("quantize= prices DDP and FSDP2 rows only: leave out deepspeed_config= and cp=")
@@ -607,6 +604,16 @@ MOE_COUNTED = (
     "transformers' experts drop no token)")
 
 
+def _states(model: nn.Module, plan: Plan, quantized: QuantizedBase | None
+            ) -> tuple[ModelFacts, tuple[ParamRecord, ...]]:
+    """What every strategy's memory and step time are computed from: the model's facts
+    and its parameters' records, a quantized base's weights in their stored bytes."""
+    if quantized is None:
+        return model_facts(model, plan), param_records(model, plan)
+    return (model_facts(model, plan, **quantized.facts_options()),
+            param_records(model, plan, quantized.weights, quantized.costs.stored))
+
+
 def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: int,
           precision: str, optimizer: str, gpu_mem: int, host_mem: int, margin: float,
           reserve: int | None, inputs: InputsFn | None, styles: dict[str, str],
@@ -623,9 +630,7 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
         activations = fast_trace_activations(model, plan, batch=batch, seq=seq,
                                              dtype=None if precision in ("fp32", "amp") else half,
                                              inputs=inputs)
-    facts = model_facts(model, plan, **(quantized.facts_options() if quantized is not None else {}))
-    records = param_records(model, plan, *((quantized.weights, quantized.costs.stored)
-                                           if quantized is not None else ()))
+    facts, records = _states(model, plan, quantized)
     candidates = (*(ddp if ddp is not None and s.key == "ddp" else s for s in STRATEGIES),
                   *layout_strategies(gpus, network.nodes, tp=bool(styles)),
                   *cp_strategies(cp, gpus, world, cp_attention),

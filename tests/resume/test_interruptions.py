@@ -26,13 +26,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.distributed import ROOT, free_port, run_process, worker_env
+from tests.distributed import ROOT, run_process, torchrun_command, worker_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.sweep]
 
@@ -44,10 +43,9 @@ LAUNCH_TIMEOUT_S = 240
 SHUTDOWN_TIMEOUT_S = 10
 
 
-def _command(*args: str, restarts: int = 1, nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            f"--max-restarts={restarts}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-            str(WORKER), *MODEL, *args]
+def _command(*args: str, restarts: int = 1) -> list[str]:
+    return torchrun_command(WORKER, *MODEL, *args, nproc=2,
+                            launcher=[f"--max-restarts={restarts}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"])
 
 
 def _launch(*args: str, fault: str = "", restarts: int = 1, check: bool = True) -> str:
