@@ -44,9 +44,10 @@ from annot.checkpoint_io.formats import CheckpointSource
 from annot.checkpoint_io.loading import WholeTensors, state_names
 from annot.host_memory import release_freed_heap
 from annot.policies import Rule, parse_rule
+from annot.policies.experts import router_paths
 from annot.policies.model_index import ModelIndex
 
-__all__ = ["FORMATS", "QuantizedLinears", "choose_linears", "nf4_tensor_type", "quantize_on_load",
+__all__ = ["FORMATS", "QuantizedLinears", "choose_linears", "import_torchao", "nf4_tensor_type", "quantize_on_load",
            "quantized_plan", "refuse_dtype_casts", "refuse_format"]
 
 #: Quantization formats ``quantize=`` takes.
@@ -54,7 +55,6 @@ FORMATS = ("nf4",)
 #: torchao's NF4 blocks: 64 weights share a scale, 256 scales share a second-level scale.
 BLOCK = 64
 SCALER_BLOCK = 256
-_ROUTER_NAMES = ("gate", "router")
 
 logger = logging.getLogger("annot")
 
@@ -92,22 +92,30 @@ def refuse_format(quantize: str, engine: str | None) -> None:
             "that would pass them through a float conversion): use engine='fsdp2'")
 
 
-def nf4_tensor_type() -> tuple[type, Any]:
-    """torchao's ``NF4Tensor`` class and ``to_nf4`` function; `ImportError` naming the
-    extra to install when torchao is missing."""
+def import_torchao(module: str, *, extra: str, asked: str) -> Any:
+    """torchao's ``module``; `ImportError` naming annot's ``extra`` to install when torchao
+    is missing (``asked``: what needed it, for the message)."""
+    import importlib
+
     torchao_logger = logging.getLogger("torchao")
     level = torchao_logger.level
     # torchao says at import that its CUDA kernels did not load: noise on a CPU machine,
     # and nothing annot uses.
     torchao_logger.setLevel(logging.ERROR)
     try:
-        from torchao.quantization import NF4Tensor, to_nf4
+        return importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError("quantize='nf4' needs torchao: pip install 'annot-train[qlora]' "
+        raise ImportError(f"{asked} needs torchao: pip install 'annot-train[{extra}]' "
                           f"(or pip install torchao) ({exc})") from None
     finally:
         torchao_logger.setLevel(level)
-    return NF4Tensor, to_nf4
+
+
+def nf4_tensor_type() -> tuple[type, Any]:
+    """torchao's ``NF4Tensor`` class and ``to_nf4`` function; `ImportError` naming the
+    extra to install when torchao is missing."""
+    quantization = import_torchao("torchao.quantization", extra="qlora", asked="quantize='nf4'")
+    return quantization.NF4Tensor, quantization.to_nf4
 
 
 def choose_linears(model: nn.Module, shards: int = 1, unquantized: Rule | str | None = None) -> QuantizedLinears:
@@ -121,7 +129,7 @@ def choose_linears(model: nn.Module, shards: int = 1, unquantized: Rule | str | 
     names = {id(tensor): name for name, tensor in state_names(model).items()}
     output_embeddings = getattr(model, "get_output_embeddings", None)
     head = output_embeddings() if callable(output_embeddings) else None
-    routers = _routers(model)
+    routers = router_paths(model)
     if isinstance(unquantized, str):
         unquantized = parse_rule(unquantized)
     elif unquantized is not None and not isinstance(unquantized, Rule):
@@ -170,13 +178,6 @@ def _prefixes(name: str) -> list[str]:
     """``"a.b.c.weight"`` -> ``["a.b.c", "a.b", "a", ""]``: its modules, deepest first."""
     parts = name.split(".")[:-1]
     return [".".join(parts[:end]) for end in range(len(parts), -1, -1)]
-
-
-def _routers(model: nn.Module) -> set[str]:
-    return {f"{path}.{child}" if path else child
-            for path, module in model.named_modules()
-            if hasattr(module, "experts")
-            for child in _ROUTER_NAMES if isinstance(getattr(module, child, None), nn.Linear)}
 
 
 def _kept_because(module: nn.Linear, path: str, head: nn.Module | None, routers: set[str],

@@ -16,16 +16,25 @@ from torch import nn
 from annot._deprecation import moved_attribute
 from annot.checkpoint_io.formats import CheckpointSource
 from annot.checkpoint_io.loading import check_compatible, load_source
+from annot.compiled_blocks import CompileOptions, compile_units
 from annot.devices import choose_device
 from annot.engines import checks
 from annot.engines.base import OptimizerFactory, Trainable, WrapRequest
 from annot.engines.registry import get_engine
+from annot.float8 import (
+    apply_float8,
+    default_all_gather,
+    has_float8_all_gather,
+    refresh_float8_scales,
+    refuse_float8,
+)
 from annot.formats.choice import checkpoint_source
 from annot.huggingface.modality_standin import stand_in_for_towers
 from annot.huggingface.model import keep_output_capturing, prepare_for_training
 from annot.meta.deferred import deferred_init_of
 from annot.planning import resolve_plan
-from annot.policies import Plan, Policy, Rule
+from annot.policies import Action, Plan, Policy, Rule
+from annot.policies.speed import with_speed_actions
 
 if TYPE_CHECKING:
     from annot.engines.base import DistributedDataParallel, FullyShardedDataParallel
@@ -40,31 +49,36 @@ PathLike = str | os.PathLike[str] | CheckpointSource
 def auto_wrap(model: nn.Module, engine: Literal["fsdp2", "fully_shard"] = ...,
               policy: PolicyLike = ..., *, checkpoint: bool | None = ..., optimizer: None = ...,
               load_from: PathLike | None = ..., mmap: bool = ...,
-              device: torch.device | str | None = ...,
+              device: torch.device | str | None = ..., float8: str | bool | None = ...,
+              float8_all_gather: bool | None = ..., compile: bool | str | CompileOptions | None = ...,
               options: Any = ..., **engine_options: Any) -> nn.Module: ...
 @overload
 def auto_wrap(model: nn.Module, engine: Literal["ddp"], policy: PolicyLike = ..., *,
               checkpoint: bool | None = ..., optimizer: None = ...,
               load_from: PathLike | None = ..., mmap: bool = ...,
-              device: torch.device | str | None = ...,
+              device: torch.device | str | None = ..., float8: str | bool | None = ...,
+              float8_all_gather: bool | None = ..., compile: bool | str | CompileOptions | None = ...,
               options: Any = ..., **engine_options: Any) -> DistributedDataParallel: ...
 @overload
 def auto_wrap(model: nn.Module, engine: Literal["fsdp1", "fsdp"], policy: PolicyLike = ..., *,
               checkpoint: bool | None = ..., optimizer: None = ...,
               load_from: PathLike | None = ..., mmap: bool = ...,
-              device: torch.device | str | None = ...,
+              device: torch.device | str | None = ..., float8: str | bool | None = ...,
+              float8_all_gather: bool | None = ..., compile: bool | str | CompileOptions | None = ...,
               options: Any = ..., **engine_options: Any) -> FullyShardedDataParallel: ...
 @overload
 def auto_wrap(model: nn.Module, engine: str = ..., policy: PolicyLike = ..., *,
               checkpoint: bool | None = ..., optimizer: OptimizerFactory,
               load_from: PathLike | None = ..., mmap: bool = ...,
-              device: torch.device | str | None = ...,
+              device: torch.device | str | None = ..., float8: str | bool | None = ...,
+              float8_all_gather: bool | None = ..., compile: bool | str | CompileOptions | None = ...,
               options: Any = ..., **engine_options: Any) -> Trainable: ...
 @overload
 def auto_wrap(model: nn.Module, engine: str = ..., policy: PolicyLike = ..., *,
               checkpoint: bool | None = ..., optimizer: OptimizerFactory | None = ...,
               load_from: PathLike | None = ..., mmap: bool = ...,
-              device: torch.device | str | None = ...,
+              device: torch.device | str | None = ..., float8: str | bool | None = ...,
+              float8_all_gather: bool | None = ..., compile: bool | str | CompileOptions | None = ...,
               options: Any = ..., **engine_options: Any) -> nn.Module | Trainable: ...
 
 
@@ -78,6 +92,9 @@ def auto_wrap(
     load_from: PathLike | None = None,
     mmap: bool = False,
     device: torch.device | str | None = None,
+    float8: str | bool | None = None,
+    float8_all_gather: bool | None = None,
+    compile: bool | str | CompileOptions | None = None,
     options: Any = None,
     **engine_options: Any,
 ) -> nn.Module | Trainable:
@@ -106,6 +123,16 @@ def auto_wrap(
             ``"cuda"`` takes this rank's GPU whatever the backend. A CUDA device becomes
             the current device. With ``optimizer=``, the `Trainable` moves each call's
             tensors there.
+        float8: a recipe (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``): the
+            eligible linears of the Plan's float8 units, or where it has none of its
+            repeated blocks, compute in float8 (`annot.float8`; needs torchao). ``None``:
+            as the Plan says; ``False``: none.
+        float8_all_gather: FSDP2 gathers the float8 weights in float8 (``None``: where it
+            is correct, FSDP2 with the tensorwise recipe).
+        compile: ``True``, a backend's name or `annot.CompileOptions`: the Plan's compile
+            units, or where it has none its repeated blocks, run compiled forwards
+            (`annot.compiled_blocks`), after wrapping. ``None``: as the Plan says with
+            the default options; ``False``: none.
         options: the engine's options object (`annot.engines.fsdp2.FSDP2Options`,
             ``FSDP1Options``, ``DDPOptions``, ``DeepSpeedOptions``), or pass its fields as
             keywords (``reshard_after_forward=False``, ``offload=True``, ``stage=2``,
@@ -125,11 +152,18 @@ def auto_wrap(
     opts = steps.options(options, **engine_options)
     deferred = _deferred(model)
     plan = resolve_plan(model, policy)                            # 2. the Plan
+    if float8 is not None or compile is not None:
+        plan = with_speed_actions(plan, model, float8=float8,
+                                  compile=None if compile is None else compile is not False)
     source = checkpoint_source(model, load_from) if load_from is not None else None
     request = WrapRequest(plan, choose_device(device), deferred, source if deferred else None, mmap)
     # What the engine cannot do with this model is said before asking for a process group,
     # so it shows (and is tested) without torchrun.
     steps.check(model, request, opts)
+    refuse_float8(plan, model, steps.name, request.device, all_gather=float8_all_gather)
+    compiled = plan.paths(Action.COMPILE)
+    compile_options = CompileOptions.of(compile if compile is not None else bool(compiled))
+    refuse_compile(steps.name, compiled)
     if mmap:
         checks.refuse_mapping(steps.name, steps.maps_checkpoint, request.load_from, request.device)
     checks.require_process_group(steps.name)
@@ -148,9 +182,11 @@ def auto_wrap(
     prepare_for_training(model, checkpointing=bool(checkpointed)) # 3. HF training settings
     if source is not None and not deferred:                       # a model with storage
         load_source(model, source, request.device)
+    gathered_in_float8 = default_all_gather(plan, steps.name, float8_all_gather)
+    apply_float8(model, plan, all_gather=gathered_in_float8)      # 4. float8 linears (same parameters)
     before = list(model.parameters())
-    steps.prepare(model, request, opts, checkpointed)             # 4. tools inside the units
-    if deferred and steps.fills_before_wrap:                      # 5. storage and values
+    steps.prepare(model, request, opts, checkpointed)             # 5. tools inside the units
+    if deferred and steps.fills_before_wrap:                      # 6. storage and values
         steps.fill(model, request)
     wrapped = steps.wrap(model, request, opts)
     keep_output_capturing(model)  # transformers' recorded outputs of re-classed modules
@@ -159,7 +195,10 @@ def auto_wrap(
     if deferred and not steps.fills_before_wrap:
         steps.fill(wrapped, request)
     checks.forbid_stale_optimizers(before, wrapped, model, steps.name)
-    if optimizer is None:                                         # 6. the training surface
+    if compile_options is not None:                               # 7. compiled units, hooks outside
+        compile_units(model, compiled, compile_options)
+    float8_scales = has_float8_all_gather(model)
+    if optimizer is None:                                         # 8. the training surface
         if steps.loss_scaler(opts, request.device) is not None:
             # fp16 compute needs loss scaling (docs/design.md, pitfall 34); the module alone
             # has none, so say so rather than train on underflowing gradients.
@@ -167,8 +206,26 @@ def auto_wrap(
                 "%s computes in fp16, and the module auto_wrap returns without optimizer= does "
                 "not scale the loss: pass optimizer= (the Trainable scales it), or scale it "
                 "yourself (torch's ShardedGradScaler for FSDP, GradScaler for DDP)", steps.name)
+        if float8_scales:
+            logging.getLogger("annot").info(
+                "float8 all-gather: call annot.refresh_float8_scales(model) after each "
+                "optimizer.step() to compute every weight's scale in one all-reduce (else each "
+                "gather computes its own; the values are the same)")
         return wrapped
-    return steps.trainable(wrapped, model, optimizer, opts, device=request.device)
+    trainable = steps.trainable(wrapped, model, optimizer, opts, device=request.device)
+    if float8_scales:
+        trainable.after_step.append(lambda: refresh_float8_scales(model))
+    return trainable
+
+
+def refuse_compile(engine: str, paths: list[str]) -> None:
+    """Raise ``ValueError`` when ``engine`` cannot run compiled units: FSDP1 puts its own
+    wrapper modules between a unit and its children, DeepSpeed its hooks inside them."""
+    if paths and engine not in ("fsdp2", "fully_shard", "ddp"):
+        raise ValueError(
+            f"compile with engine={engine!r} is not built: compiled units run under FSDP2 or "
+            "DDP, whose hooks stay outside each unit's compiled forward (FSDP1 and DeepSpeed "
+            "hook and re-wrap inside the units); use engine='fsdp2'")
 
 
 def _deferred(model: nn.Module) -> bool:

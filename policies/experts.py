@@ -29,7 +29,10 @@ from torch import nn
 
 from annot.policies.model_index import ModelIndex, parent_path
 
-__all__ = ["MoeBlock", "describe_moe", "find_moe_blocks"]
+__all__ = ["ROUTER_NAMES", "MoeBlock", "describe_moe", "find_moe_blocks", "router_paths"]
+
+#: Names a mixture-of-experts block gives the linear that routes tokens to its experts.
+ROUTER_NAMES = ("gate", "router")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,16 @@ def find_moe_blocks(index: ModelIndex) -> list[MoeBlock]:
             stacked=tuple(n for n, p in params if "." not in n and p.dim() >= 2),
             expert_params=sum(p.numel() for _, p in params)))
     return blocks
+
+
+def router_paths(model: nn.Module) -> set[str]:
+    """Paths of the routers of ``model``: a linear named in `ROUTER_NAMES` beside an
+    ``experts`` module. Quantization and float8 leave them in the model's dtype: a
+    router's few logits decide which experts run, and rounding them changes the choice."""
+    return {f"{path}.{child}" if path else child
+            for path, module in model.named_modules()
+            if hasattr(module, "experts")
+            for child in ROUTER_NAMES if isinstance(getattr(module, child, None), nn.Linear)}
 
 
 def _stacked_expert_count(module: nn.Module) -> int | None:

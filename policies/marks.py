@@ -35,6 +35,10 @@ class Action(str, enum.Enum):
     SHARD = "shard"
     CHECKPOINT = "checkpoint"
     OFFLOAD = "offload"
+    #: The unit's eligible linears compute their matmuls in float8 (`annot.float8`).
+    FLOAT8 = "float8"
+    #: The unit's forward is compiled (`annot.compiled_blocks`), after wrapping.
+    COMPILE = "compile"
 
     def __str__(self) -> str:
         return self.value

@@ -17,12 +17,16 @@ from annot.policies.marks import Action
 from annot.policies.parallel import ParallelDims
 from annot.policies.rules import format_count
 
-__all__ = ["CHECKPOINT_POLICIES", "Plan", "RootInfo", "Unit", "format_bytes"]
+__all__ = ["CHECKPOINT_POLICIES", "FLOAT8_RECIPES", "Plan", "RootInfo", "Unit", "format_bytes"]
 
 FORMAT_VERSION = 1
 #: Selective checkpoint policies a unit may name (`Unit.checkpoint_policy`); the run time
 #: that applies them is `annot.runtime.selective_checkpoint`.
 CHECKPOINT_POLICIES: tuple[str, ...] = ("save_matmuls",)
+#: The float8 training recipes a unit may name (`Unit.float8_recipe`; torchao's names):
+#: one scale per tensor, one per row, one per row with the weight gradient's matmul kept
+#: in high precision. `annot.float8` applies them.
+FLOAT8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +60,18 @@ class Unit:
     #: How many of ``params`` a quantized base holds quantized (QLoRA's NF4 linears);
     #: ``None``: no quantization was asked.
     quantized: int | None = None
+    #: A float8 unit's recipe (`FLOAT8_RECIPES`); ``None`` when the unit has no float8.
+    float8_recipe: str | None = None
+    #: How many linears of a float8 unit compute in float8 (`annot.policies.speed`).
+    float8_linears: int | None = None
 
     def __post_init__(self) -> None:
         if self.checkpoint_policy is not None and self.checkpoint_policy not in CHECKPOINT_POLICIES:
             raise PlanError(f"unit {self.path!r}: unknown checkpoint policy {self.checkpoint_policy!r}; "
                             f"choose from {', '.join(CHECKPOINT_POLICIES)}")
+        if self.float8_recipe is not None and self.float8_recipe not in FLOAT8_RECIPES:
+            raise PlanError(f"unit {self.path!r}: unknown float8 recipe {self.float8_recipe!r}; "
+                            f"choose from {', '.join(FLOAT8_RECIPES)}")
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -93,6 +104,10 @@ class Unit:
             out["role"] = self.role
         if self.quantized is not None:
             out["quantized"] = self.quantized
+        if self.float8_recipe is not None:
+            out["float8_recipe"] = self.float8_recipe
+        if self.float8_linears is not None:
+            out["float8_linears"] = self.float8_linears
         return out
 
     @classmethod
@@ -111,6 +126,8 @@ class Unit:
             offload_activations=bool(data.get("offload_activations", False)),
             role=data.get("role"),
             quantized=None if data.get("quantized") is None else int(data["quantized"]),
+            float8_recipe=data.get("float8_recipe"),
+            float8_linears=None if data.get("float8_linears") is None else int(data["float8_linears"]),
         )
 
 
@@ -241,10 +258,7 @@ class Plan:
                 u.cls.rpartition(".")[2],
                 format_count(u.params) + (f" x{last - first + 1}" if first != last else ""),
                 format_bytes(sum(u.bytes.values())),
-                ",".join(a.value for a in u.actions)
-                + (f"->{u.offload_to}" if u.offload_to else "")
-                + (f"({u.checkpoint_policy})" if u.checkpoint_policy else "")
-                + (",offload_activations" if u.offload_activations else ""),
+                _actions_cell(u),
                 u.reason,
             )
             for first, last, label, u in _rows(self.units, collapse)
@@ -270,7 +284,9 @@ class Plan:
         lines = [f"Plan for {self.model}  (policy: {self.policy})"]
         for row in [header, *rows]:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-        counts = {a: len(self.paths(a)) for a in Action}
+        # The speed actions are counted only where some unit has them.
+        counts = {a: len(self.paths(a)) for a in Action
+                  if a in (Action.SHARD, Action.CHECKPOINT, Action.OFFLOAD) or self.paths(a)}
         lines.append(
             f"total: {format_count(self.total_params)} params, "
             f"{format_bytes(sum(self.total_bytes.values()))} "
@@ -306,6 +322,23 @@ class Plan:
         return mixed + (["(root)"] if len(self.root.bytes) > 1 else [])
 
 
+def _actions_cell(unit: Unit) -> str:
+    """The unit's actions, comma-separated, the offload target, the selective checkpoint
+    policy and the float8 recipe (with its count of linears) after them."""
+    speed = [a for a in unit.actions if a in (Action.FLOAT8, Action.COMPILE)]
+    cell = (",".join(a.value for a in unit.actions if a not in speed)
+            + (f"->{unit.offload_to}" if unit.offload_to else "")
+            + (f"({unit.checkpoint_policy})" if unit.checkpoint_policy else "")
+            + (",offload_activations" if unit.offload_activations else ""))
+    for action in speed:
+        label = action.value
+        if action is Action.FLOAT8:
+            label += f"({unit.float8_recipe}" + (f" x{unit.float8_linears}" if unit.float8_linears is not None
+                                                 else "") + ")"
+        cell = f"{cell},{label}" if cell else label
+    return cell
+
+
 def _quantized_cell(quantized: int | None) -> str:
     return "-" if not quantized else format_count(quantized)
 
@@ -327,9 +360,11 @@ def _indexed(path: str) -> tuple[str, int] | None:
 def _same_but_path(a: Unit, b: Unit) -> bool:
     return not a.group and not b.group and (
         (a.cls, a.params, a.trainable, a.bytes, a.actions, a.offload_to, a.reason,
-         a.checkpoint_policy, a.offload_activations, a.role, a.quantized)
+         a.checkpoint_policy, a.offload_activations, a.role, a.quantized, a.float8_recipe,
+         a.float8_linears)
         == (b.cls, b.params, b.trainable, b.bytes, b.actions, b.offload_to, b.reason,
-            b.checkpoint_policy, b.offload_activations, b.role, b.quantized)
+            b.checkpoint_policy, b.offload_activations, b.role, b.quantized, b.float8_recipe,
+            b.float8_linears)
     )
 
 

@@ -32,6 +32,7 @@ from annot.policies.rules import (
     no_split_modules,
     repeated_blocks,
 )
+from annot.policies.speed import with_float8_counts
 
 __all__ = ["cache_writers", "default_policy", "make_plan", "unit_parameters"]
 
@@ -135,7 +136,7 @@ def make_plan(model: nn.Module, policy: Policy | Rule | None = None) -> Plan:
     units = _no_checkpoint_of_frozen_towers(model, units, roles)
     owned = _ownership(model, units)
     warnings += _dtype_warnings(index, units, owned)
-    units = [_with_counts(u, owned.get(u.path, []), index) for u in units]
+    units = with_float8_counts(model, [_with_counts(u, owned.get(u.path, []), index) for u in units])
     root_params = owned.get(ROOT, [])
     return Plan(
         model=type(model).__name__,
@@ -315,6 +316,7 @@ def _make_unit(index: ModelIndex, path: str, acts: set[Action], reason: str, pol
         actions=tuple(a for a in Action if a in acts),
         reason=reason,
         offload_to=offload_to,
+        float8_recipe=policy.float8_recipe if Action.FLOAT8 in acts else None,
     )
 
 

@@ -11,6 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING, TypedDict
 
 from annot.policies.marks import OFFLOAD_TARGETS, Action
+from annot.policies.plan import FLOAT8_RECIPES
 from annot.policies.rules import Rule, keep_in_fp32_modules, marked, no_split_modules
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ class Override:
     shard: bool | None = None
     checkpoint: bool | None = None
     offload: bool | None = None
+    float8: bool | None = None
+    compile: bool | None = None
 
     def changes(self) -> dict[Action, bool]:
         return {
@@ -38,6 +41,8 @@ class Override:
                 (Action.SHARD, self.shard),
                 (Action.CHECKPOINT, self.checkpoint),
                 (Action.OFFLOAD, self.offload),
+                (Action.FLOAT8, self.float8),
+                (Action.COMPILE, self.compile),
             )
             if value is not None
         }
@@ -58,6 +63,9 @@ class Policy:
     (`annot.policies.roles`) a unit, and each projector beside it another: ``"blocks"``
     keeps the tower's blocks units of their own inside it, ``"whole"`` shards the tower as
     one unit (its blocks still checkpointed); ``None`` leaves towers to the rules.
+    ``float8`` selects the units whose eligible linears compute in float8
+    (`annot.policies.float8` says which linears are eligible) with ``float8_recipe``;
+    ``compile`` the units whose forward is compiled (`annot.compiled_blocks`).
     """
 
     shard: Rule | None = None
@@ -68,6 +76,9 @@ class Policy:
     overrides: tuple[Override, ...] = ()
     split_dtypes: bool = False
     towers: str | None = None
+    float8: Rule | None = None
+    compile: Rule | None = None
+    float8_recipe: str = "tensorwise"
 
     def __post_init__(self) -> None:
         for action in Action:
@@ -78,6 +89,8 @@ class Policy:
             raise ValueError(f"offload_to must be one of {OFFLOAD_TARGETS}, got {self.offload_to!r}")
         if self.towers not in TOWER_MODES:
             raise ValueError(f"towers must be one of {TOWER_MODES}, got {self.towers!r}")
+        if self.float8_recipe not in FLOAT8_RECIPES:
+            raise ValueError(f"float8_recipe must be one of {FLOAT8_RECIPES}, got {self.float8_recipe!r}")
 
     def rules(self) -> dict[Action, Rule]:
         return {a: r for a in Action if (r := getattr(self, a.value)) is not None}
@@ -89,15 +102,20 @@ class Policy:
         shard: bool | None = None,
         checkpoint: bool | None = None,
         offload: bool | None = None,
+        float8: bool | None = None,
+        compile: bool | None = None,
     ) -> Policy:
         """A copy with one more override (later overrides win)."""
-        extra = Override(rule, shard=shard, checkpoint=checkpoint, offload=offload)
+        extra = Override(rule, shard=shard, checkpoint=checkpoint, offload=offload, float8=float8,
+                         compile=compile)
         if not extra.changes():
-            raise ValueError("override() needs at least one of shard=, checkpoint=, offload=")
+            raise ValueError("override() needs at least one of shard=, checkpoint=, offload=, "
+                             "float8=, compile=")
         return dataclasses.replace(self, overrides=(*self.overrides, extra))
 
     def describe(self) -> str:
-        parts = [f"{a.value}={r.name}" for a, r in self.rules().items()]
+        parts = [a.value + (f"({self.float8_recipe})" if a is Action.FLOAT8 else "") + f"={r.name}"
+                 for a, r in self.rules().items()]
         parts += [
             f"override({o.rule.name}: "
             + ", ".join(f"{a.value}={v}" for a, v in o.changes().items())

@@ -32,6 +32,7 @@ EXPECTED_OUTPUT = {
                                 "hf trainer, 3 steps: loss"],
     "docs/guides/multi-node.md": ["parallel:", "is not a multiple of 3"],
     "docs/guides/trust.md": ["overlaps"],
+    "docs/guides/float8-and-compile.md": ["shard,checkpoint,float8(rowwise x4),compile"],
 }
 
 

@@ -76,6 +76,12 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--unquantized", metavar="RULE",
                    help="with --quantize: modules whose linears stay in the model's dtype "
                         "(a rule, e.g. 'name:**.o_proj')")
+    p.add_argument("--float8", metavar="RECIPE", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+                   help="the repeated blocks' eligible linears compute in float8 as auto_wrap(float8=RECIPE) "
+                        "makes them (tensorwise, rowwise, rowwise_with_gw_hp): the Plan's float8 "
+                        "column, and with --memory their casts, saved inputs and float8 all-gather")
+    p.add_argument("--compile", action="store_true",
+                   help="the repeated blocks compiled, as auto_wrap(compile=True) does (shown per unit)")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
     p.add_argument("--parallel", metavar="DIMS",
                    help="parallel dimensions, e.g. replicate=2,shard=-1 (HSDP: 2 replicas, each "
@@ -213,6 +219,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from annot.cli.targets import build_target, read_options
     from annot.planning import plan as plan_model
     from annot.policies import AnnotError, PlanError, Policy, default_policy, parse_rule
+    from annot.policies.speed import with_speed_actions
 
     try:
         for option in ("batch", "seq"):
@@ -236,6 +243,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             raise ValueError("--unquantized goes with --quantize")
         if args.quantize is not None and args.lora is None:
             raise ValueError("--quantize quantizes a frozen base: add --lora RANK")
+        if args.float8 is not None and args.quantize is not None:
+            raise ValueError("--float8 with --quantize: annot does not train a quantized base in float8")
         if args.lora is not None and args.fit:
             raise ValueError("--fit rebuilds the model at each size without --lora: leave one out")
         model = _with_lora(build_target(args.target, options, dtype=args.dtype), args.lora)
@@ -247,8 +256,12 @@ def _run_plan(args: argparse.Namespace) -> int:
                               offload=rules.get("offload")) if rules else default_policy(model)
                 policy = Policy(shard=base.shard, checkpoint=base.checkpoint, offload=base.offload,
                                 offload_to=args.offload_to, group_tied=args.group_tied)
-                return plan_model(model, policy)
-            return plan_model(model)
+                made = plan_model(model, policy)
+            else:
+                made = plan_model(model)
+            if args.float8 is None and not args.compile:
+                return made
+            return with_speed_actions(made, model, float8=args.float8, compile=args.compile or None)
 
         plan = plan_of(model)
         if args.parallel is not None:

@@ -170,6 +170,9 @@ class Trainable:
     skipped_steps: int = 0
     #: The sequence split of context parallelism (``None``: each rank has whole sequences).
     context_parallel: ContextParallel | None = None
+    #: Run after each optimizer step, in order (float8 all-gather's scale refresh:
+    #: `annot.float8.refresh_float8_scales`).
+    after_step: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     #: Whether the gradients of this step are unscaled already (`clip_grad_norm_`).
     _unscaled: bool = dataclasses.field(default=False, init=False, repr=False)
 
@@ -195,6 +198,11 @@ class Trainable:
             self.scaler.scale(loss).backward()
 
     def step(self) -> None:
+        self._step()
+        for after in self.after_step:
+            after()
+
+    def _step(self) -> None:
         if self.scaler is None:
             self.optimizer.step()
             return

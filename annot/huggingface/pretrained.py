@@ -162,6 +162,10 @@ def _refuse_quantize(quantize: str, engine: str | None, mmap: bool, options: dic
     from annot.quantization import nf4_tensor_type, refuse_format
 
     refuse_format(quantize, engine)
+    if options.get("float8") not in (None, False):
+        raise ValueError(f"quantize={quantize!r} with float8=: a quantized weight is dequantized by "
+                         "its own linear, which float8 would replace; train the adapters of a "
+                         "quantized base in the model's dtype (leave float8 out)")
     if "mesh" in options:
         raise ValueError(f"quantize={quantize!r} with mesh=: not built yet (a quantized weight must "
                          "split into whole scale blocks on the ranks it is sharded over, checked "

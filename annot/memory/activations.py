@@ -280,6 +280,13 @@ def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, ch
 
     paths = plan.paths(Action.CHECKPOINT) if plan is not None and checkpoint else []
     model, fake_mode = fake_copy(model, dtype)
+    if plan is not None and plan.paths(Action.FLOAT8):
+        # The float8 linears as auto_wrap makes them: their casts, scales and what they
+        # save for backward (a float8 copy of the input where the recipe keeps one) are
+        # traced and counted like any other tensor.
+        from annot.float8 import apply_float8
+
+        apply_float8(model, plan, log=False)
     if prepare is not None:
         prepare(model)
     else:

@@ -255,7 +255,8 @@ def budget_solver(model: nn.Module, *, gpus: int, nodes: int = 1, batch: int, se
                 f"not {', '.join(other)}")
         chosen = [s for s in chosen if s.key in QUANTIZED_KEYS]
     network = Network(gpus_per_node=gpus, nodes=nodes, intra_node_bw=intra_node_bw * 1e9,
-                      inter_node_bw=inter_node_bw * 1e9, flops=dev.tflops * 1e12)
+                      inter_node_bw=inter_node_bw * 1e9, flops=dev.tflops * 1e12,
+                      float8_speedup=dev.float8_speedup)
     return BudgetSolver(model=model, plan=plan, strategies=tuple(chosen), network=network, dev=dev,
                         batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                         margin=margin, reserve=reserve, choices=tuple(choices), inputs=inputs,

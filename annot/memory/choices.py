@@ -66,14 +66,17 @@ class Device:
     tflops: float
     hbm_bw: float
     host_bw: float
+    #: A float8 matmul's speed over a bf16 one (dense datasheet peaks); 1: no float8 matmul.
+    float8_speedup: float = 1.0
 
 
-#: H100 SXM: 989 bf16 TFLOP/s dense, 3.35 TB/s HBM3, PCIe 5.0 x16 (64 GB/s); H200: the
-#: H100's compute, 4.8 TB/s HBM3e, PCIe 5.0; A100 SXM 80GB: 312 TFLOP/s, 2.04 TB/s,
-#: PCIe 4.0 x16 (32 GB/s) (NVIDIA datasheets). ``cpu``: a CPU run (no offload choice).
+#: H100 SXM: 989 bf16 TFLOP/s dense, 1979 float8, 3.35 TB/s HBM3, PCIe 5.0 x16 (64 GB/s);
+#: H200: the H100's compute, 4.8 TB/s HBM3e, PCIe 5.0; A100 SXM 80GB: 312 TFLOP/s (no
+#: float8 matmul), 2.04 TB/s, PCIe 4.0 x16 (32 GB/s) (NVIDIA datasheets). ``cpu``: a CPU
+#: run (no offload choice).
 DEVICES: dict[str, Device] = {
-    "H100": Device("H100", tflops=450.0, hbm_bw=3350.0, host_bw=50.0),
-    "H200": Device("H200", tflops=450.0, hbm_bw=4800.0, host_bw=50.0),
+    "H100": Device("H100", tflops=450.0, hbm_bw=3350.0, host_bw=50.0, float8_speedup=2.0),
+    "H200": Device("H200", tflops=450.0, hbm_bw=4800.0, host_bw=50.0, float8_speedup=2.0),
     "A100": Device("A100", tflops=150.0, hbm_bw=2039.0, host_bw=25.0),
     "cpu": Device("cpu", tflops=0.5, hbm_bw=50.0, host_bw=0.0),
 }
@@ -88,7 +91,7 @@ def device(name: str, *, tflops: float | None = None, hbm_bw: float | None = Non
                                "(or override tflops=, hbm_bw=, host_bw=)")
     out = Device(found.name, tflops=found.tflops if tflops is None else tflops,
                  hbm_bw=found.hbm_bw if hbm_bw is None else hbm_bw,
-                 host_bw=found.host_bw if host_bw is None else host_bw)
+                 host_bw=found.host_bw if host_bw is None else host_bw, float8_speedup=found.float8_speedup)
     for name_, value in (("tflops", out.tflops), ("hbm_bw", out.hbm_bw)):
         if not value > 0:
             raise MemoryInputError(f"{name_} must be positive, got {value}")

@@ -124,19 +124,22 @@ def ring_bytes(op: str, size: float, ranks: int) -> float:
 @dataclasses.dataclass(frozen=True)
 class Network:
     """The machines: GPUs per node, nodes, each GPU's bandwidth inside its node and each
-    node's bandwidth to the others (bytes/s, one direction), and each GPU's sustained
-    FLOP/s."""
+    node's bandwidth to the others (bytes/s, one direction), each GPU's sustained
+    FLOP/s, and its float8 matmuls' speedup over that."""
 
     gpus_per_node: int
     nodes: int = 1
     intra_node_bw: float = INTRA_NODE_BW * 1e9
     inter_node_bw: float = INTER_NODE_BW * 1e9
     flops: float = TFLOPS * 1e12
+    #: How much faster a float8 matmul runs than a bf16 one (the GPU's dense peak ratio:
+    #: 2 on Hopper, 1 where there is no float8 matmul).
+    float8_speedup: float = 1.0
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1:
             raise MemoryInputError("GPUs per node and nodes must be at least 1")
-        for name in ("intra_node_bw", "inter_node_bw", "flops"):
+        for name in ("intra_node_bw", "inter_node_bw", "flops", "float8_speedup"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise MemoryInputError(f"{name} must be a positive number, got {value!r}")

@@ -56,6 +56,16 @@ class ModelFacts:
     unit_quantized: tuple[int, ...] | None = None
     root_quantized: int = 0
     quantized_costs: QuantizedCosts | None = None
+    #: Float8 all-gather (FSDP2, tensorwise float8 units): how many weights of each unit
+    #: and of the root FSDP2 gathers in float8, one byte each (`annot.float8`).
+    unit_float8: tuple[int, ...] | None = None
+    root_float8: int = 0
+
+    def unit_float8_count(self, index: int) -> int:
+        """Unit ``index``'s weights gathered in float8 (0 outside the units)."""
+        if self.unit_float8 is None or not 0 <= index < len(self.unit_float8):
+            return 0
+        return self.unit_float8[index]
 
     @property
     def quantized(self) -> int:
@@ -243,14 +253,18 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     static = {f"{off}sharded parameters + optimizer": stored + trained_shard * states}
     reshard = strategy.stage == 3
 
+    # FSDP2's float8 all-gather moves and holds one byte per float8 weight.
+    float8_saving = b["compute"] - 1 if strategy.engine == "fsdp2" else 0
+
     def gathered_bytes(i: int) -> int:
-        return facts.stored(unit(i), facts.unit_quantized_count(i), b["compute"])
+        return (facts.stored(unit(i), facts.unit_quantized_count(i), b["compute"])
+                - facts.unit_float8_count(i) * float8_saving)
 
     order = [u for ph, u, _, _ in segments if ph == "forward" and u >= 0]
     run = []
     done_fwd: set[int] = set()
     done_bwd: set[int] = set()
-    root = facts.stored(facts.root, facts.root_quantized, b["compute"])
+    root = facts.stored(facts.root, facts.root_quantized, b["compute"]) - facts.root_float8 * float8_saving
     root_grads = False
     gathered = 0  # sum of gathered_bytes(i) over done_fwd - done_bwd, kept as the sets change
     pending = len(order) - 1  # order[pending]: the unit backward runs next (done_bwd only grows)
@@ -358,6 +372,18 @@ def _ds_defaults(zero: dict[str, Any]) -> dict[str, Any]:
     return {"stage": stage, "overlap_comm": stage == 3, **ZERO_DEFAULTS, **zero}
 
 
+def _float8_gathered(model: Any, plan: Any) -> set[int]:
+    """Ids of the weights FSDP2 gathers in float8 under ``plan``: every float8 linear's,
+    when every float8 unit is tensorwise (`annot.float8.default_all_gather`)."""
+    from annot.policies import Action
+    from annot.policies.speed import float8_linears
+
+    recipes = {u.float8_recipe for u in plan.units if u.has(Action.FLOAT8)}
+    if recipes != {"tensorwise"}:
+        return set()
+    return {id(model.get_submodule(path).weight) for path in float8_linears(model, plan.units).paths}
+
+
 def model_facts(model: Any, plan: Any, persistence_threshold: int = PERSISTENCE_THRESHOLD, *,
                 quantized: Collection[int] = (), quantized_costs: QuantizedCosts | None = None) -> ModelFacts:
     """`ModelFacts` of ``model`` (meta is fine) under ``plan`` (an `annot.Plan`).
@@ -387,6 +413,14 @@ def model_facts(model: Any, plan: Any, persistence_threshold: int = PERSISTENCE_
         facts = ModelFacts(params=total, units=tuple(sizes), root=total - sum(sizes), persistent=persistent,
                            trainable=trainable, unit_trainable=tuple(trained),
                            root_trainable=trainable - sum(trained))
+    gathered_in_float8 = _float8_gathered(model, plan)
+    if gathered_in_float8:
+        per_unit = [0] * len(shard_units)
+        for key in gathered_in_float8:
+            if key in owner:
+                per_unit[owner[key]] += params[key].numel()
+        facts = dataclasses.replace(facts, unit_float8=tuple(per_unit),
+                                    root_float8=sum(params[k].numel() for k in gathered_in_float8) - sum(per_unit))
     if not quantized:
         return facts
     in_units = [0] * len(shard_units)

@@ -16,6 +16,7 @@ from annot.memory.activations import (
     InputsFn,
     StepTrace,
 )
+from annot.memory.choices import DEVICES
 from annot.memory.communication import (
     INTER_NODE_BW,
     INTRA_NODE_BW,
@@ -73,6 +74,7 @@ from annot.memory.user_config import (
 from annot.policies import Action, Plan, Policy, Rule, make_plan
 from annot.policies.plan import format_bytes
 from annot.policies.rules import format_count
+from annot.policies.speed import with_speed_actions
 
 __all__ = ["MARGIN", "RESERVE", "MemoryReport", "StepTime", "StrategyRow", "estimate_memory"]
 
@@ -419,8 +421,30 @@ def step_time(strategy: Strategy, trace: StepTrace, plan: Plan, model: nn.Module
                                  comm.inter_seconds + cp_comm.inter_seconds)
         flops += cp_extra_flops(attention, batch=trace.batch, seq=whole, cp=layout.cp,
                                 checkpoint=trace.checkpoint)
-    return StepTime(flops=flops, compute=flops / network.flops, comm=comm,
+    # The float8 linears' matmuls run at the GPU's float8 rate (`Network.float8_speedup`).
+    float8 = _float8_matmul_flops(model, plan, trace, set(styles), layout.tp)
+    compute = (flops - float8) / network.flops + float8 / (network.flops * network.float8_speedup)
+    return StepTime(flops=flops, compute=compute, comm=comm,
                     tokens=trace.batch * trace.seq * network.world // layout.tp)
+
+
+def _float8_matmul_flops(model: nn.Module, plan: Plan, trace: StepTrace, split: set[str], tp: int) -> int:
+    """The FLOPs of the float8 linears' matmuls in the step ``trace``: 2 x tokens x in x
+    out in forward and in a checkpointed unit's recomputation, twice that in backward
+    (two matmuls), a tensor-parallel split linear's divided by ``tp``."""
+    if not plan.paths(Action.FLOAT8):
+        return 0
+    from annot.policies.speed import float8_linears
+
+    recomputed = plan.paths(Action.CHECKPOINT) if trace.checkpoint else []
+    total = 0
+    for path in float8_linears(model, plan.units).paths:
+        again = any(path == p or path.startswith(p + ".") or p == "" for p in recomputed)
+        weight = model.get_submodule(path).weight
+        assert isinstance(weight, torch.Tensor)
+        flops = (6 + 2 * again) * trace.batch * trace.seq * weight.numel()
+        total += flops // tp if path in split else flops
+    return total
 
 
 def estimate_memory(
@@ -451,6 +475,7 @@ def estimate_memory(
     example_inputs: Mapping[str, Any] | None = None,
     quantize: str | None = None,
     unquantized: Rule | str | None = None,
+    float8: str | None = None,
 ) -> MemoryReport:
     """Per-GPU and per-host memory of every strategy for ``model`` (build it on the meta
     device: nothing is allocated), each one's communication and step time, and the
@@ -511,6 +536,10 @@ def estimate_memory(
     split into whole blocks over them is quantized under DDP, a little less memory). The stored
     dtype is bf16 for ``precision="bf16"``, else fp32. ``unquantized``: the rule of
     modules whose linears stay in the model's dtype, as ``from_pretrained`` takes it.
+    ``float8``: a recipe, as ``auto_wrap(float8=...)`` takes it: the Plan's float8 units
+    (else its repeated blocks) traced with torchao's float8 linears (their casts and what
+    they save for backward counted), and FSDP2's rows gathering their weights in float8
+    where auto_wrap does (every float8 unit tensorwise).
     """
     wrappers = {"DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"}
     if any(hasattr(p, "device_mesh") for p in model.parameters()) or any(
@@ -520,15 +549,20 @@ def estimate_memory(
             "already wrapped or sharded by an engine")
     if not isinstance(plan, Plan):
         plan = make_plan(model, plan)
+    if float8 is not None:
+        if quantize is not None:
+            raise MemoryInputError("float8= with quantize=: annot does not train a quantized base in float8")
+        plan = with_speed_actions(plan, model, float8=float8)
     if precision not in PRECISIONS:
         raise MemoryInputError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     if optimizer not in OPTIMIZERS:
         raise MemoryInputError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
     if gpus < 1 or nodes < 1:
         raise MemoryInputError("--gpus and --nodes must be at least 1")
-    network = Network(gpus_per_node=gpus, nodes=nodes, intra_node_bw=intra_node_bw * 1e9,
-                      inter_node_bw=inter_node_bw * 1e9, flops=tflops * 1e12)
     kind, kind_mem = _gpu_kind_and_memory(gpu)
+    network = Network(gpus_per_node=gpus, nodes=nodes, intra_node_bw=intra_node_bw * 1e9,
+                      inter_node_bw=inter_node_bw * 1e9, flops=tflops * 1e12,
+                      float8_speedup=DEVICES[kind.name].float8_speedup if kind.name in DEVICES else 1.0)
     gpu_mem = gpu_mem if gpu_mem is not None else kind_mem
     host_mem = host_mem if host_mem is not None else _default_host_mem()
     user_ds = read_deepspeed_config(deepspeed_config) if deepspeed_config is not None else None
@@ -602,6 +636,21 @@ MOE_COUNTED = (
     "mixture of experts: the trace read no routing value, so the experts' activations it "
     "counted are the same whichever experts the tokens choose (no capacity factor: "
     "transformers' experts drop no token)")
+
+
+def _speed_said(plan: Plan, network: Network) -> list[str]:
+    """What the rows assume of the Plan's float8 and compile units."""
+    said = []
+    if plan.paths(Action.FLOAT8):
+        said.append(
+            f"float8: the float8 linears traced as torchao runs them (casts, scales, saved inputs "
+            f"counted); their matmuls timed at {network.float8_speedup:g}x the bf16 rate (the GPU's "
+            "dense float8/bf16 peak ratio; torchtitan measures 1.28x end to end on Llama 3.1 8B, "
+            "the casts taking the rest)")
+    if plan.paths(Action.COMPILE):
+        said.append("compiled units priced as eager (memory and time): the trace runs eager "
+                    "operators; a compiled block's partitioner usually saves less for backward")
+    return said
 
 
 def _states(model: nn.Module, plan: Plan, quantized: QuantizedBase | None
@@ -694,7 +743,7 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
             fits=fits(plain), fits_checkpointed=fits(ckpt), detail=plain, detail_checkpointed=ckpt,
             time=times[0], time_checkpointed=times[1],
         ))
-    said = [activations.assumption, *(t.assumption for t in traces.values())]
+    said = [activations.assumption, *(t.assumption for t in traces.values()), *_speed_said(plan, network)]
     assumptions = tuple(dict.fromkeys(text for text in said if text))
     if plan.moe and not assumptions:
         assumptions = (MOE_COUNTED,)

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 examples/gpt/train.py [--steps 20] [--engine fsdp2|fsdp1|ddp|deepspeed]
                                                       [--resume DIR --save-every N] [--cp N [--cp-attention ulysses]]
+                                                      [--float8 tensorwise|rowwise|rowwise_with_gw_hp] [--compile [BACKEND]]
 
 The model is built under annot.meta_init (no memory) and materialized by auto_wrap.
 Rank 0 prints the Plan, then the loss of every step (averaged over ranks). The data is an
@@ -85,6 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(the default) or from torch's checkpoint process")
     parser.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
                         metavar="S", help="with --resume: bound on a collective after the first step")
+    parser.add_argument("--float8", metavar="RECIPE", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+                        help="the blocks' linears compute in float8 with this torchao recipe (needs torchao)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="compile each block (FSDP2, DDP): inductor, or BACKEND (aot_eager on a "
+                             "machine without a C++ compiler)")
     parser.add_argument("--digest", action="store_true",
                         help="print each loss to the last bit and, at the end, a digest of the weights")
     return parser.parse_args(argv)
@@ -147,13 +153,14 @@ def main(argv: list[str] | None = None) -> list[float]:
         with annot.meta_init():
             model = GPT(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                         block_size=args.block_size, vocab_size=args.vocab_size)
+        speed = {"float8": args.float8, "compile": args.compile}
         if rank == 0:
-            print(annot.plan(model), flush=True)
+            print(annot.plan(model, float8=args.float8, compile=args.compile is not None or None), flush=True)
 
         # The optimizer is a factory: every engine builds it after sharding (which replaces
         # the parameters), and gives back the same backward / step / zero_grad.
         trainer = annot.auto_wrap(
-            model, args.engine, checkpoint=args.checkpoint, device=device,
+            model, args.engine, checkpoint=args.checkpoint, device=device, **speed,
             optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
             **({"offload": True} if args.offload else {}),
             **({"mesh": annot.ParallelDims(cp=args.cp), "cp_attention": args.cp_attention}

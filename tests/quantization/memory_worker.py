@@ -12,13 +12,11 @@ peak is taken over the steps (reset after the load). Rank 0 returns
 
 from __future__ import annotations
 
-import gc
-
 import torch
 import torch.distributed as dist
 
 import annot
-from annot.memory.counting import LiveBytes
+from tests.counted_steps import counted_peak
 from tests.distributed import worker_main
 from tests.quantization.cases import LR, SEED, lora
 
@@ -26,26 +24,10 @@ STEPS = 3
 
 
 def _peak(folder: str, batch: int, seq: int, checkpoint: bool, engine: str) -> int:
-    generator = torch.Generator().manual_seed(dist.get_rank())
-    counter = LiveBytes()
-    with counter:
+    def build() -> torch.nn.Module:
         torch.manual_seed(SEED)
-        model = annot.from_pretrained(folder, engine, peft_config=lora(), quantize="nf4",
-                                      checkpoint=checkpoint)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
-                                      foreach=True)
-        vocab = getattr(model, "module", model).get_input_embeddings().num_embeddings
-        counter.reset_peak()
-        for _ in range(STEPS):
-            tokens = torch.randint(0, vocab, (batch, seq), generator=generator)
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            del tokens, loss
-        del model, optimizer
-        gc.collect()
-    return counter.peak
+        return annot.from_pretrained(folder, engine, peft_config=lora(), quantize="nf4", checkpoint=checkpoint)
+    return counted_peak(build, batch=batch, seq=seq, lr=LR, steps=STEPS)
 
 
 def run(folder: str, batch: str, seq: str, engine: str = "fsdp2") -> dict[str, list[int]]:
