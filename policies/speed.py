@@ -152,6 +152,10 @@ def _with_action(plan: Plan, units: list[Unit], action: Action, asked: str) -> l
     if any(u.has(action) for u in units):
         return units
     blocks = {u.path for u in repeated_units(plan)}
+    if action is Action.COMPILE:
+        # The outermost blocks only: a block's compiled forward traces what it calls (an
+        # attention unit inside mBART's decoder layer is compiled with its layer).
+        blocks = {b for b in blocks if not any(b != o and is_under(b, o) for o in blocks)}
     if not blocks:
         raise PlanError(
             f"{asked}: the Plan for {plan.model} has no {action.value} unit and no repeated "

@@ -116,3 +116,22 @@ def test_overrides_set_and_clear_the_speed_actions():
     plan = annot.plan(model, policy)
     assert plan.unit("transformer.h.0").actions == (Action.SHARD,)
     assert plan.unit("transformer.h.1").actions == (Action.SHARD, Action.FLOAT8, Action.COMPILE)
+
+
+def test_compile_goes_to_the_outermost_repeated_blocks_float8_to_every_one():
+    model = gpt()
+    plan = annot.plan(model, Policy(shard=by_class(Block) | by_name("transformer.h.*.mlp")))
+    sped = with_speed_actions(plan, model, float8="tensorwise", compile=True)
+    assert sped.paths(Action.COMPILE) == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
+    assert len(sped.paths(Action.FLOAT8)) == 6  # the MLPs own their linears: float8 there too
+
+
+def test_annot_plan_shows_the_speed_actions_and_refuses_float8_with_quantize(capsys):
+    from annot.cli.main import main
+
+    assert main(["plan", "examples/gpt/model.py:GPT", "--float8", "rowwise", "--compile"]) == 0
+    out = capsys.readouterr().out
+    assert "float8(rowwise x4),compile" in out and "4 float8, 4 compile" in out
+    assert main(["plan", "examples/gpt/model.py:GPT", "--float8", "tensorwise", "--lora", "8",
+                 "--quantize", "nf4"]) == 2
+    assert "--float8 with --quantize" in capsys.readouterr().err
