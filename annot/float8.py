@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
 from torch import nn
 
 from annot.policies import Action, Plan
@@ -58,10 +57,9 @@ def float8_config(recipe: str, *, all_gather: bool = False) -> Any:
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=all_gather) if all_gather else config
 
 
-def refuse_float8(plan: Plan, model: nn.Module, engine: str, device: torch.device, *,
-                  all_gather: bool | None) -> None:
-    """Raise ``ValueError`` for a float8 Plan the ``engine`` cannot train on ``device``,
-    before anything is changed. ``all_gather``: float8 all-gather as asked (``None``:
+def refuse_float8(plan: Plan, model: nn.Module, engine: str, *, all_gather: bool | None) -> None:
+    """Raise ``ValueError`` for a float8 Plan the ``engine`` cannot train, before anything
+    is changed. ``all_gather``: float8 all-gather as asked (``None``:
     the default, on where it is correct)."""
     units = [u for u in plan.units if u.has(Action.FLOAT8)]
     if not units:

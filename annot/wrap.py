@@ -160,7 +160,7 @@ def auto_wrap(
     # What the engine cannot do with this model is said before asking for a process group,
     # so it shows (and is tested) without torchrun.
     steps.check(model, request, opts)
-    refuse_float8(plan, model, steps.name, request.device, all_gather=float8_all_gather)
+    refuse_float8(plan, model, steps.name, all_gather=float8_all_gather)
     compiled = plan.paths(Action.COMPILE)
     compile_options = CompileOptions.of(compile if compile is not None else bool(compiled))
     refuse_compile(steps.name, compiled)

@@ -31,12 +31,13 @@ LR = 1e-3
 def make_model(name: str) -> nn.Module:
     """The model ``name`` from seed 0: every linear's dimensions are multiples of 16.
     ``NAME-meta``: built under `annot.meta_init` (no memory; auto_wrap materializes it
-    with the values eager construction gives)."""
+    with the values eager construction gives); ``llama-lone``: the Llama (see `policy`)."""
     if name.endswith("-meta"):
         import annot
 
         with annot.meta_init():
             return make_model(name.removesuffix("-meta"))
+    name = name.removesuffix("-lone")
     torch.manual_seed(0)
     if name == "nanogpt":
         nanogpt = _nanogpt()
@@ -73,13 +74,18 @@ def _nanogpt() -> Any:
 
 def policy(name: str) -> Any:
     """The policy auto_wrap gets for model ``name``: nanoGPT's file has no marks, so its
-    ``Block`` by class, sharded and checkpointed; ``None`` (the marks, or transformers'
-    metadata) for the others."""
-    if not name.startswith("nanogpt"):
-        return None
-    from annot.policies import Policy, by_class
+    ``Block`` by class, sharded and checkpointed; ``llama-lone``'s below; ``None`` (the
+    marks, or transformers' metadata) for the others."""
+    from annot.policies import Policy, by_class, by_name
 
-    return Policy(shard=by_class("Block"), checkpoint=by_class("Block"))
+    if name.startswith("nanogpt"):
+        return Policy(shard=by_class("Block"), checkpoint=by_class("Block"))
+    if name.endswith("-lone"):
+        # Each MLP's down_proj a unit of its own: its one parameter a bias-less float8
+        # weight, which FSDP2 would gather in a float8 buffer gloo cannot send (pitfall 70).
+        layers, lone = by_class("LlamaDecoderLayer"), by_name("model.layers.*.mlp.down_proj")
+        return Policy(shard=layers | lone, checkpoint=layers, float8=layers | lone)
+    return None
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
