@@ -26,7 +26,9 @@ type), so those units' linears are gathered in their own dtype, and the log says
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -38,7 +40,7 @@ from annot.policies.speed import Float8Linears, float8_linears
 from annot.quantization import import_torchao
 
 __all__ = ["apply_float8", "float8_config", "has_float8_all_gather", "refresh_float8_scales",
-           "refuse_float8", "torchao_float8"]
+           "refuse_float8", "scale_refresher", "torchao_float8"]
 
 _log = logging.getLogger("annot")
 
@@ -51,8 +53,6 @@ def torchao_float8() -> Any:
 def float8_config(recipe: str, *, all_gather: bool = False) -> Any:
     """torchao's ``Float8LinearConfig`` for ``recipe`` (`FLOAT8_RECIPES`), with float8
     all-gather on or off (tensorwise only)."""
-    import dataclasses
-
     config = torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=all_gather) if all_gather else config
 
@@ -159,5 +159,16 @@ def refresh_float8_scales(model: nn.Module) -> None:
     scales are the same either way. ``Trainable.step`` calls it; a loop stepping its own
     optimizer may call it after ``optimizer.step()``. Does nothing for a model without
     float8 all-gather."""
-    if has_float8_all_gather(model):
-        torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)
+    refresh = scale_refresher(model)
+    if refresh is not None:
+        refresh()
+
+
+def scale_refresher(model: nn.Module) -> Callable[[], None] | None:
+    """`refresh_float8_scales` of ``model`` with the model's linears looked at once, here,
+    not at every step: what ``Trainable.step`` runs after the optimizer; ``None`` for a
+    model without float8 all-gather."""
+    if not has_float8_all_gather(model):
+        return None
+    precompute = torchao_float8().precompute_float8_dynamic_scale_for_fsdp
+    return lambda: precompute(model)

@@ -21,13 +21,7 @@ from annot.devices import choose_device
 from annot.engines import checks
 from annot.engines.base import OptimizerFactory, Trainable, WrapRequest
 from annot.engines.registry import get_engine
-from annot.float8 import (
-    apply_float8,
-    default_all_gather,
-    has_float8_all_gather,
-    refresh_float8_scales,
-    refuse_float8,
-)
+from annot.float8 import apply_float8, default_all_gather, refuse_float8, scale_refresher
 from annot.formats.choice import checkpoint_source
 from annot.huggingface.modality_standin import stand_in_for_towers
 from annot.huggingface.model import keep_output_capturing, prepare_for_training
@@ -197,7 +191,7 @@ def auto_wrap(
     checks.forbid_stale_optimizers(before, wrapped, model, steps.name)
     if compile_options is not None:                               # 7. compiled units, hooks outside
         compile_units(model, compiled, compile_options)
-    float8_scales = has_float8_all_gather(model)
+    refresh_scales = scale_refresher(model)  # FSDP2's float8 all-gather: after each step
     if optimizer is None:                                         # 8. the training surface
         if steps.loss_scaler(opts, request.device) is not None:
             # fp16 compute needs loss scaling (docs/design.md, pitfall 34); the module alone
@@ -206,15 +200,15 @@ def auto_wrap(
                 "%s computes in fp16, and the module auto_wrap returns without optimizer= does "
                 "not scale the loss: pass optimizer= (the Trainable scales it), or scale it "
                 "yourself (torch's ShardedGradScaler for FSDP, GradScaler for DDP)", steps.name)
-        if float8_scales:
+        if refresh_scales is not None:
             logging.getLogger("annot").info(
                 "float8 all-gather: call annot.refresh_float8_scales(model) after each "
                 "optimizer.step() to compute every weight's scale in one all-reduce (else each "
                 "gather computes its own; the values are the same)")
         return wrapped
     trainable = steps.trainable(wrapped, model, optimizer, opts, device=request.device)
-    if float8_scales:
-        trainable.after_step.append(lambda: refresh_float8_scales(model))
+    if refresh_scales is not None:
+        trainable.after_step.append(refresh_scales)
     return trainable
 
 

@@ -219,7 +219,6 @@ def _run_plan(args: argparse.Namespace) -> int:
     from annot.cli.targets import build_target, read_options
     from annot.planning import plan as plan_model
     from annot.policies import AnnotError, PlanError, Policy, default_policy, parse_rule
-    from annot.policies.speed import with_speed_actions
 
     try:
         for option in ("batch", "seq"):
@@ -256,12 +255,9 @@ def _run_plan(args: argparse.Namespace) -> int:
                               offload=rules.get("offload")) if rules else default_policy(model)
                 policy = Policy(shard=base.shard, checkpoint=base.checkpoint, offload=base.offload,
                                 offload_to=args.offload_to, group_tied=args.group_tied)
-                made = plan_model(model, policy)
             else:
-                made = plan_model(model)
-            if args.float8 is None and not args.compile:
-                return made
-            return with_speed_actions(made, model, float8=args.float8, compile=args.compile or None)
+                policy = None
+            return plan_model(model, policy, float8=args.float8, compile=args.compile or None)
 
         plan = plan_of(model)
         if args.parallel is not None:

@@ -375,11 +375,10 @@ def _ds_defaults(zero: dict[str, Any]) -> dict[str, Any]:
 def _float8_gathered(model: Any, plan: Any) -> set[int]:
     """Ids of the weights FSDP2 gathers in float8 under ``plan``: every float8 linear's,
     when every float8 unit is tensorwise (`annot.float8.default_all_gather`)."""
-    from annot.policies import Action
+    from annot.float8 import default_all_gather
     from annot.policies.speed import float8_linears
 
-    recipes = {u.float8_recipe for u in plan.units if u.has(Action.FLOAT8)}
-    if recipes != {"tensorwise"}:
+    if not default_all_gather(plan, "fsdp2", None):
         return set()
     return {id(model.get_submodule(path).weight) for path in float8_linears(model, plan.units).paths}
 

@@ -72,6 +72,7 @@ from annot.memory.user_config import (
     read_deepspeed_config,
 )
 from annot.policies import Action, Plan, Policy, Rule, make_plan
+from annot.policies.model_index import is_under
 from annot.policies.plan import format_bytes
 from annot.policies.rules import format_count
 from annot.policies.speed import with_speed_actions
@@ -394,12 +395,8 @@ def step_time(strategy: Strategy, trace: StepTrace, plan: Plan, model: nn.Module
         # A split Linear's matmuls (2 x tokens x in x out in forward and in recomputation,
         # twice that in backward) run 1/tp on each rank; the rest (attention scores, norms)
         # are counted whole, an upper bound.
-        split = 0
-        for path in styles:
-            weight = getattr(model.get_submodule(path), "weight", None)
-            if isinstance(model.get_submodule(path), nn.Linear) and weight is not None:
-                again = any(path == p or path.startswith(p + ".") or p == "" for p in recomputed)
-                split += (6 + 2 * again) * trace.batch * trace.seq * weight.numel()
+        split = sum(_linear_matmul_flops(model, path, trace, recomputed) for path in styles
+                    if isinstance(model.get_submodule(path), nn.Linear))
         flops -= split - split // layout.tp
     # FSDP2 shards over shard x cp as one dimension (annot.engines.mesh).
     collectives = step_collectives(
@@ -429,22 +426,29 @@ def step_time(strategy: Strategy, trace: StepTrace, plan: Plan, model: nn.Module
 
 
 def _float8_matmul_flops(model: nn.Module, plan: Plan, trace: StepTrace, split: set[str], tp: int) -> int:
-    """The FLOPs of the float8 linears' matmuls in the step ``trace``: 2 x tokens x in x
-    out in forward and in a checkpointed unit's recomputation, twice that in backward
-    (two matmuls), a tensor-parallel split linear's divided by ``tp``."""
+    """The FLOPs of the float8 linears' matmuls in the step ``trace``
+    (`_linear_matmul_flops`), a tensor-parallel split linear's divided by ``tp``."""
     if not plan.paths(Action.FLOAT8):
         return 0
     from annot.policies.speed import float8_linears
 
-    recomputed = plan.paths(Action.CHECKPOINT) if trace.checkpoint else []
+    recomputed = set(plan.paths(Action.CHECKPOINT)) if trace.checkpoint else set()
     total = 0
     for path in float8_linears(model, plan.units).paths:
-        again = any(path == p or path.startswith(p + ".") or p == "" for p in recomputed)
-        weight = model.get_submodule(path).weight
-        assert isinstance(weight, torch.Tensor)
-        flops = (6 + 2 * again) * trace.batch * trace.seq * weight.numel()
+        flops = _linear_matmul_flops(model, path, trace, recomputed)
         total += flops // tp if path in split else flops
     return total
+
+
+def _linear_matmul_flops(model: nn.Module, path: str, trace: StepTrace, recomputed: set[str]) -> int:
+    """The FLOPs of the matmuls of the linear at ``path`` in the step ``trace``: 2 x tokens
+    x in x out in forward and again in a recomputation (inside a unit of ``recomputed``),
+    twice that in backward; 0 for a module without a weight."""
+    weight = getattr(model.get_submodule(path), "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return 0
+    again = any(is_under(path, unit) for unit in recomputed)
+    return (6 + 2 * again) * trace.batch * trace.seq * weight.numel()
 
 
 def estimate_memory(
