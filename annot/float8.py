@@ -39,8 +39,8 @@ from annot.policies.planner import unit_parameters
 from annot.policies.speed import Float8Linears, float8_linears
 from annot.quantization import import_torchao
 
-__all__ = ["apply_float8", "float8_config", "has_float8_all_gather", "refresh_float8_scales",
-           "refuse_float8", "scale_refresher", "torchao_float8"]
+__all__ = ["apply_float8", "as_gathered_in_float8", "float8_config", "has_float8_all_gather",
+           "refresh_float8_scales", "refuse_float8", "scale_refresher", "torchao_float8"]
 
 _log = logging.getLogger("annot")
 
@@ -144,6 +144,23 @@ def _all_float8_units(model: nn.Module, plan: Plan, chosen: Float8Linears) -> se
     owned = unit_parameters(model, plan)
     return {path for path, params in owned.items()
             if path and params and all(id(p) in weights for _, p in params)}
+
+
+def as_gathered_in_float8(model: nn.Module) -> None:
+    """Give each float8 linear of ``model`` the weight FSDP2's float8 all-gather hands its
+    forward and backward: one float8 tensor (torchao's ``Float8TrainingTensor``, a scale
+    beside the bytes) made once, instead of a cast of the weight at every matmul. For the
+    planner's trace of an FSDP2 step (`annot.memory.activations`), in place: that tensor
+    is the gathered parameter, priced as such, and the trace never casts a weight."""
+    float8 = torchao_float8()
+    role = float8.float8_training_tensor.GemmInputRole.WEIGHT
+    for module in model.modules():
+        if isinstance(module, float8.float8_linear.Float8Linear):
+            weight = module.weight
+            gathered = float8.float8_scaling_utils.hp_tensor_to_float8_dynamic(
+                weight.detach(), module.config.cast_config_weight.target_dtype, module.linear_mm_config,
+                gemm_input_role=role)
+            module.weight = nn.Parameter(gathered, requires_grad=weight.requires_grad)
 
 
 def has_float8_all_gather(model: nn.Module) -> bool:

@@ -231,6 +231,11 @@ class StepTrace:
     flops: int = 0
     #: As `ActivationEstimate.assumption`.
     assumption: str = ""
+    #: The share of the gradient elements of parameters outside every shard unit that
+    #: backward makes only after it has left the last unit (an embedding's: it is used
+    #: first, so its gradient comes last); the others (a head's) exist from the first
+    #: backward stretch on (FSDP's root keeps them unsharded until backward ends).
+    root_grads_last: float = 0.0
 
 
 def trace_step(
@@ -246,6 +251,7 @@ def trace_step(
     prepare: Callable[[nn.Module], None] | None = None,
     gpu_rules: bool = False,
     counts: list[SegmentCounts] | None = None,
+    float8_gathered: bool = False,
 ) -> StepTrace:
     """Trace forward, loss and backward of ``model`` under ``FakeTensorMode`` and count live
     bytes with `annot.memory.counting.LiveBytes`: activations, the transients of
@@ -258,13 +264,15 @@ def trace_step(
     ``prepare`` installs the run-time tools on the traced copy instead of the Plan's
     checkpointing (`annot.memory.budget` traces its per-unit choices so). ``counts``,
     when given, receives one `SegmentCounts` per stretch of the returned ``segments``
-    (`annot.memory.representative` rebuilds a whole step from a cut one with them). A
-    model that reads values is traced under balanced routing (`trace_activations`)."""
+    (`annot.memory.representative` rebuilds a whole step from a cut one with them).
+    ``float8_gathered``: the Plan's float8 linears get their weights as FSDP2's float8
+    all-gather gives them, cast once (`annot.float8.as_gathered_in_float8`). A model that
+    reads values is traced under balanced routing (`trace_activations`)."""
     def run(shadows: ValueShadows | None) -> StepTrace:
         found: list[SegmentCounts] = []
         trace = _trace_step(model, plan, batch=batch, seq=seq, checkpoint=checkpoint, dtype=dtype,
                             autocast=autocast, inputs=inputs, prepare=prepare, gpu_rules=gpu_rules,
-                            counts=found, shadows=shadows)
+                            counts=found, shadows=shadows, float8_gathered=float8_gathered)
         if counts is not None:
             counts.extend(found)
         return trace
@@ -274,7 +282,8 @@ def trace_step(
 def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, checkpoint: bool,
                 dtype: torch.dtype | None, autocast: torch.dtype | None, inputs: InputsFn | None,
                 prepare: Callable[[nn.Module], None] | None, gpu_rules: bool,
-                counts: list[SegmentCounts], shadows: ValueShadows | None) -> StepTrace:
+                counts: list[SegmentCounts], shadows: ValueShadows | None,
+                float8_gathered: bool = False) -> StepTrace:
     from annot.memory.counting import FlopCount, LiveBytes
     from annot.runtime.activation_checkpoint import apply_checkpointing, torch_checkpoint
 
@@ -284,9 +293,11 @@ def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, ch
         # The float8 linears as auto_wrap makes them: their casts, scales and what they
         # save for backward (a float8 copy of the input where the recipe keeps one) are
         # traced and counted like any other tensor.
-        from annot.float8 import apply_float8
+        from annot.float8 import apply_float8, as_gathered_in_float8
 
         apply_float8(model, plan, log=False)
+        if float8_gathered:
+            as_gathered_in_float8(model)
     if prepare is not None:
         prepare(model)
     else:
@@ -300,10 +311,12 @@ def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, ch
         apply_checkpointing(model, paths, marked)
     params = dict(model.named_parameters())
     grads: dict[int, int] = {}
+    root_grads: dict[int, tuple[int, int]] = {}  # id -> (stretch its gradient came in, elements)
     peaks = {"act": 0, "all": 0, "grads": 0}  # grads: the running sum of ``grads``
-    # Which shard unit runs: forward (pre-)hooks; in backward the unit being recomputed
-    # (its parameters are gathered for it: the stretch is the unit's, not the one before)
-    # and the unit whose parameter last got its gradient.
+    # Which shard unit runs: forward (pre-)hooks; in backward the unit a gradient of whose
+    # outputs was just computed (backward enters it), the unit being recomputed (its
+    # parameters are gathered for it: the stretch is the unit's, not the one before) and
+    # the unit whose parameter last got its gradient.
     shard_paths = [u.modules for u in plan.units if u.has(Action.SHARD)] if plan is not None else []
     unit_of: dict[int, int] = {}
     for index, modules in enumerate(shard_paths):
@@ -358,13 +371,25 @@ def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, ch
                 peaks["grads"] += nbytes - grads.get(id(param), 0)
                 grads[id(param)] = nbytes
                 at("backward", unit_of.get(id(param), -1))
+                if id(param) not in unit_of:
+                    root_grads[id(param)] = (len(segments) - 1, param.numel())
             handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _entering(index: int, grad: torch.Tensor) -> None:
+        at("backward", index)
+
     for index, modules in enumerate(shard_paths):
         for path in modules:
             def pre(module: nn.Module, args: Any, index: int = index) -> None:
                 at(state["phase"], index)
 
-            def post(module: nn.Module, args: Any, output: Any) -> None:
+            def post(module: nn.Module, args: Any, output: Any, index: int = index) -> None:
+                # Backward enters the unit when a gradient of one of its outputs is ready:
+                # FSDP2, FSDP1 and ZeRO-3 gather the unit's parameters (and prefetch the
+                # next unit's) there, before its first operation's backward runs.
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(functools.partial(_entering, index))
                 if state["phase"] == "forward":
                     at("forward", -1)
             handles.append(model.get_submodule(path).register_forward_pre_hook(pre))
@@ -394,10 +419,13 @@ def _trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, ch
         for module, training in modes.items():
             module.training = training
     counts.extend(SegmentCounts(*t) for t in tallies)
+    last_unit = max((i for i, (ph, u, _, _) in enumerate(segments) if ph == "backward" and u >= 0), default=None)
+    root_total = sum(n for _, n in root_grads.values())
+    root_last = sum(n for i, n in root_grads.values() if last_unit is not None and i > last_unit)
     return StepTrace(batch=batch, seq=seq, checkpoint=bool(paths), peak=peaks["act"],
                      peak_with_grads=peaks["all"], grads=peaks["grads"],
                      segments=tuple((ph, u, top, end) for ph, u, top, end in segments),
-                     flops=flop_counter.total,
+                     flops=flop_counter.total, root_grads_last=root_last / root_total if root_total else 0.0,
                      assumption=shadows.assumption if shadows is not None else "")
 
 

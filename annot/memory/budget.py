@@ -350,12 +350,14 @@ class BudgetSolver:
     def setting(self, s: Strategy) -> _Setting:
         dtype, autocast = _trace_setting(s, self.precision)
         seq = self.seq_of(s)
-        key = (dtype, autocast, seq)
+        # FSDP2's float8-gathered weights are not cast at each matmul (as estimate_memory).
+        float8_gathered = s.engine == "fsdp2" and self.facts.gathers_float8
+        key = (dtype, autocast, seq, float8_gathered)
         if key not in self._settings:
             blocks = self._profiles(dtype, autocast, seq)
             trace = (fast_trace_step if self.fast_trace else trace_step)(
                 self.model, self.plan, batch=self.batch, seq=seq, checkpoint=False,
-                dtype=dtype, autocast=autocast, inputs=self.inputs)
+                dtype=dtype, autocast=autocast, inputs=self.inputs, float8_gathered=float8_gathered)
             self._settings[key] = _Setting(blocks, trace)
         return self._settings[key]
 

@@ -61,6 +61,12 @@ class ModelFacts:
     unit_float8: tuple[int, ...] | None = None
     root_float8: int = 0
 
+    @property
+    def gathers_float8(self) -> bool:
+        """Whether FSDP2 gathers some weight in float8 (its trace casts none: the gathered
+        weight is float8 already, `annot.float8.as_gathered_in_float8`)."""
+        return bool(sum(self.unit_float8 or ()) + self.root_float8)
+
     def unit_float8_count(self, index: int) -> int:
         """Unit ``index``'s weights gathered in float8 (0 outside the units)."""
         if self.unit_float8 is None or not 0 <= index < len(self.unit_float8):
@@ -265,8 +271,15 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     done_fwd: set[int] = set()
     done_bwd: set[int] = set()
     root = facts.stored(facts.root, facts.root_quantized, b["compute"]) - facts.root_float8 * float8_saving
-    root_grads = False
+    # The root's gradients stay unsharded until backward ends (it is reduced last): none
+    # at the first backward stretch's top, a head's from its end, the rest (an
+    # embedding's, `StepTrace.root_grads_last`) from the end of the stretch after the
+    # last unit.
+    root_grads = 0
+    all_root_grads = facts.root_trained * b["grad"]
+    head_root_grads = all_root_grads - round(all_root_grads * trace.root_grads_last)
     gathered = 0  # sum of gathered_bytes(i) over done_fwd - done_bwd, kept as the sets change
+    in_flight = 0  # FSDP2: the reduce-scatter input of the unit reduced last, still held
     pending = len(order) - 1  # order[pending]: the unit backward runs next (done_bwd only grows)
     for ph, u, top, end in segments:
         if ph == "forward":
@@ -285,21 +298,27 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
             pending -= 1
         nxt = order[pending] if pending >= 0 else -1  # forward order reversed; -1: none left
         kept = (gathered + gathered_bytes(u)) if not reshard else gathered_bytes(u) + gathered_bytes(nxt)
-        # The root's gradients exist once backward has passed the head (the first
-        # backward stretch's end); they are reduced last.
-        held = {"gathered parameters": root + kept,
-                "root gradients": facts.root_trained * b["grad"] if root_grads else 0,
-                f"{off}sharded gradients": trained_shard * b["reduce"] * max(0, len(done_bwd) - 1) // max(1, len(units))}
+        held = {"gathered parameters": root + kept, "root gradients": root_grads,
+                f"{off}sharded gradients": trained_shard * b["reduce"] * max(0, len(done_bwd) - 1) // max(1, len(units)),
+                "previous unit's reduce-scatter input": in_flight}
         run.append((name(ph, u), {"activations": top, **held}))
-        root_grads = True
-        held["root gradients"] = facts.root_trained * b["grad"]
+        # A gradient still being made is in the trace's activations; it is the root's
+        # from the stretch's end on.
+        root_grads = all_root_grads if u < 0 and len(done_bwd) == len(order) else max(root_grads, head_root_grads)
+        held["root gradients"] = root_grads
         if reshard:  # both reshard the unit's parameters before reducing its gradients
             held["gathered parameters"] = root + gathered_bytes(nxt)
         # FSDP1 reduce-scatters the unit's flat gradient itself; FSDP2 copies the
-        # gradients into a reduce-scatter input of its own (both measured).
-        reduce = facts.unit_trained(u) * (b["grad"] + (b["reduce"] if strategy.engine == "fsdp2" else 0))
-        run.append((name(ph, u) + " end", {"activations": end, **held,
+        # gradients into a reduce-scatter input of its own (both measured) and keeps it
+        # until the next unit's reduce begins (torch 2.13's reduce_scatter_states, one
+        # buffer by default: the collective may still be reading it), so it is held
+        # through the next unit's backward.
+        fsdp2 = strategy.engine == "fsdp2"
+        reduce = facts.unit_trained(u) * (b["grad"] + (b["reduce"] if fsdp2 else 0))
+        run.append((name(ph, u) + " end", {"activations": end, **held, "previous unit's reduce-scatter input": 0,
                                            "unsharded gradients + reduce-scatter input": reduce}))
+        if fsdp2 and u >= 0:
+            in_flight = facts.unit_trained(u) * b["reduce"]
     step = {f"{off}sharded gradients": trained_shard * b["reduce"],
             "optimizer step temporaries": 0 if off else trained_shard * temp}
     return _peak(static, run, step, points)

@@ -707,25 +707,29 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
     # With no unit to checkpoint, the checkpointed step is the plain one: traced once.
     can_checkpoint = bool(plan.paths(Action.CHECKPOINT))
     traces: dict[tuple[Any, ...], StepTrace] = {}
-    for s in chosen:
+
+    def trace_of(s: Strategy, checkpoint: bool) -> StepTrace:
+        """The step ``s`` runs, traced once per setting that changes it: the compute
+        dtypes, checkpointing, the sequence a rank holds, whether FSDP2 gathers float8."""
         dtype, autocast = _trace_setting(s, precision_of(s))
-        for checkpoint in (False, can_checkpoint):
-            if (dtype, autocast, checkpoint, seqs[s.key]) not in traces:
-                # The target is a GPU: autocast casts by CUDA's op lists.
-                with dequantization_in_trace(model, quantized):
-                    traces[(dtype, autocast, checkpoint, seqs[s.key])] = fast_trace_step(
-                        model, plan, batch=batch, seq=seqs[s.key], checkpoint=checkpoint, dtype=dtype,
-                        autocast=autocast, inputs=inputs, gpu_rules=True)
+        float8_gathered = s.engine == "fsdp2" and facts_of(s).gathers_float8
+        key = (dtype, autocast, checkpoint, seqs[s.key], float8_gathered)
+        if key not in traces:
+            # The target is a GPU: autocast casts by CUDA's op lists.
+            with dequantization_in_trace(model, quantized):
+                traces[key] = fast_trace_step(
+                    model, plan, batch=batch, seq=seqs[s.key], checkpoint=checkpoint, dtype=dtype,
+                    autocast=autocast, inputs=inputs, gpu_rules=True, float8_gathered=float8_gathered)
+        return traces[key]
     rows = []
     for s in chosen:
-        setting = _trace_setting(s, precision_of(s))
         zero = user_ds.zero if user_ds is not None and s.key == USER_DEEPSPEED_KEY else None
-        plain, ckpt = (strategy_memory(s, traces[(*setting, c, seqs[s.key])], facts_of(s), plan,
+        plain, ckpt = (strategy_memory(s, trace_of(s, c), facts_of(s), plan,
                                        world=world, precision=precision_of(s), optimizer=optimizer,
                                        records=records, styles=styles, attention=attention,
                                        ds_zero=zero)
                        for c in (False, can_checkpoint))
-        times = [step_time(s, traces[(*setting, c, seqs[s.key])], plan, model, records, network,
+        times = [step_time(s, trace_of(s, c), plan, model, records, network,
                            precision=precision_of(s), optimizer=optimizer, styles=styles,
                            attention=attention)
                  for c in (False, can_checkpoint)]

@@ -188,7 +188,8 @@ def fast_trace_activations(model: nn.Module, plan: Plan | None, *, batch: int, s
 def fast_trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int, checkpoint: bool,
                     dtype: torch.dtype | None = None, autocast: torch.dtype | None = None,
                     inputs: InputsFn | None = None, gpu_rules: bool = False,
-                    prepare: Callable[[nn.Module], None] | None = None) -> StepTrace:
+                    prepare: Callable[[nn.Module], None] | None = None,
+                    float8_gathered: bool = False) -> StepTrace:
     """`trace_step`, from cut traces when ``model`` has a `block_stack` whose stretches
     repeat: two (2 and 3 blocks) where every block's unit is alike, one
     (`_mixed_trace_step`) where runs of blocks differ. ``prepare`` (`trace_step`'s) sees
@@ -197,7 +198,7 @@ def fast_trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int
     are alike)."""
     kwargs: dict[str, Any] = dict(batch=batch, seq=seq, checkpoint=checkpoint, dtype=dtype,
                                   autocast=autocast, inputs=inputs, gpu_rules=gpu_rules,
-                                  prepare=prepare)
+                                  prepare=prepare, float8_gathered=float8_gathered)
     stack = block_stack(model, plan)
     # A config describing blocks one by one: a cut's blocks would read other blocks' entries.
     if stack is None or plan is None or _positional(model, stack):
@@ -225,7 +226,8 @@ def fast_trace_step(model: nn.Module, plan: Plan | None, *, batch: int, seq: int
         batch=batch, seq=seq, checkpoint=three.checkpoint, peak=peak,
         peak_with_grads=max(peak, _linear(two.peak_with_grads, three.peak_with_grads, stack.count)),
         grads=_linear(two.grads, three.grads, stack.count), segments=segments,
-        flops=_linear(two.flops, three.flops, stack.count), assumption=two.assumption or three.assumption)
+        flops=_linear(two.flops, three.flops, stack.count), assumption=two.assumption or three.assumption,
+        root_grads_last=three.root_grads_last)
 
 
 def _shard_paths(plan: Plan) -> list[str]:
@@ -519,4 +521,5 @@ def _summed(laid_out: list[_Delta], cut: StepTrace, full: dict[tuple[str, int | 
         end, grads, flops = end + stop, grads + added_grads, flops + added_flops
     return StepTrace(batch=cut.batch, seq=cut.seq, checkpoint=cut.checkpoint,
                      peak=max(s[2] for s in segments), peak_with_grads=peak_with_grads, grads=grads,
-                     segments=tuple(segments), flops=flops, assumption=cut.assumption)
+                     segments=tuple(segments), flops=flops, assumption=cut.assumption,
+                     root_grads_last=cut.root_grads_last)

@@ -24,19 +24,26 @@ GiB = 2**30
 SEQ = 64
 
 
+def _rows(seq: int, keys: tuple[str, ...], cp: tuple[int, ...]) -> list:
+    """The rows ``keys`` of `estimate_memory`'s table on 4 GPUs, without the others (each
+    row traces)."""
+    from annot.memory.report import _rows
+    from annot.policies import make_plan
+
+    with torch.device("meta"):
+        model = GPT(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=SEQ)
+    rows, _, _, _ = _rows(
+        model, make_plan(model), network=Network(gpus_per_node=4, nodes=1), batch=2, seq=seq,
+        precision="fp32", optimizer="adamw", gpu_mem=GiB, host_mem=GiB, margin=0.1, reserve=0,
+        inputs=None, styles={}, keys=keys, cp=cp)
+    return rows
+
+
 class Rows:
-    """The cp rows of `estimate_memory`'s table, without the others (each row traces)."""
+    """The cp rows of `estimate_memory`'s table."""
 
     def __init__(self) -> None:
-        from annot.memory.report import _rows
-        from annot.policies import make_plan
-
-        with torch.device("meta"):
-            model = GPT(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=SEQ)
-        self.rows, _, _, _ = _rows(
-            model, make_plan(model), network=Network(gpus_per_node=4, nodes=1), batch=2, seq=SEQ,
-            precision="fp32", optimizer="adamw", gpu_mem=GiB, host_mem=GiB, margin=0.1, reserve=0,
-            inputs=None, styles={}, keys=("fsdp2-cp2", "fsdp2-cp4"), cp=(2, 4))
+        self.rows = _rows(SEQ, ("fsdp2-cp2", "fsdp2-cp4"), (2, 4))
 
     def row(self, key: str):  # noqa: ANN201 (a StrategyRow)
         return next(r for r in self.rows if r.key == key)
@@ -52,12 +59,14 @@ def test_cp_rows_are_weighed_with_their_mesh(report):
     assert "mesh_dim_names=('shard', 'cp')" in report.row("fsdp2-cp2").call
 
 
-def test_cp_divides_the_traced_activations(report):
-    # every rank traces seq / cp tokens: twice the cp, half the activations a rank keeps
-    cp2, cp4 = (report.row(k).detail.parts for k in ("fsdp2-cp2", "fsdp2-cp4"))
-    act = [k for k in cp2 if "activ" in k]
-    assert act, cp2
-    assert cp4[act[0]] == pytest.approx(cp2[act[0]] / 2, rel=0.05)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_divides_the_traced_activations(report, cp):
+    # every rank traces seq / cp tokens: its activations are those of FSDP2 on as many
+    # ranks at a cp-th of the sequence, to the byte, and shrink with cp
+    plain = _rows(SEQ // cp, ("fsdp2",), ())[0].detail.parts["activations"]
+    assert report.row(f"fsdp2-cp{cp}").detail.parts["activations"] == plain
+    whole = _rows(SEQ, ("fsdp2",), ())[0].detail.parts["activations"]
+    assert plain < whole * (0.6 if cp == 2 else 0.35)
 
 
 def test_cp_rows_hold_the_other_ranks_keys_and_values(report):
