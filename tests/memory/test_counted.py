@@ -26,7 +26,9 @@ MORE_ROWS = [
 ]
 
 
-def _within_tolerance(tmp_path, rows_asked: list[tuple[str, bool]]) -> None:
+def _within_tolerance(tmp_path, rows_asked: list[tuple[str, bool]]) -> dict[tuple[str, bool], dict]:
+    """Every row of ``rows_asked`` within `TOLERANCE` of its count; the rows by (strategy,
+    checkpointing)."""
     sizes = list(SIZES)[:1]
     rows = compare(launch(tmp_path / "out.pt", sizes, rows_asked, timeout=600))
     assert len(rows) == len(rows_asked) * len(sizes)
@@ -34,12 +36,19 @@ def _within_tolerance(tmp_path, rows_asked: list[tuple[str, bool]]) -> None:
            f"{r['measured']} B, planner {r['predicted']} B ({r['error']:+.1%})"
            for r in rows if abs(r["error"]) > TOLERANCE]
     assert not off, "\n".join(off)
+    return {(r["strategy"], r["checkpoint"]): r for r in rows}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_planner_is_within_ten_percent_of_counted_peaks(tmp_path):
-    _within_tolerance(tmp_path, ROWS)
+    rows = _within_tolerance(tmp_path, ROWS)
+    # Checkpointed, FSDP2 holds a unit more than FSDP1 in backward: its reduce-scatter
+    # input, kept through the next unit's backward and recomputation (docs/design.md,
+    # pitfall 72). Measured: 3.0 MiB counted, 3.0 MiB planned; the planner said 0 before.
+    fsdp2, fsdp1 = rows[("fsdp2-offload", True)], rows[("fsdp1", True)]  # one memory on a CPU
+    counted, planned = fsdp2["measured"] - fsdp1["measured"], fsdp2["predicted"] - fsdp1["predicted"]
+    assert counted > 0 and abs(planned / counted - 1) <= TOLERANCE, (counted, planned)
 
 
 @pytest.mark.distributed
