@@ -351,7 +351,7 @@ class BudgetSolver:
         dtype, autocast = _trace_setting(s, self.precision)
         seq = self.seq_of(s)
         # FSDP2's float8-gathered weights are not cast at each matmul (as estimate_memory).
-        float8_gathered = s.engine == "fsdp2" and self.facts.gathers_float8
+        float8_gathered = self.facts.gathers_float8(s.engine)
         key = (dtype, autocast, seq, float8_gathered)
         if key not in self._settings:
             blocks = self._profiles(dtype, autocast, seq)

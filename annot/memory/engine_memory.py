@@ -61,11 +61,11 @@ class ModelFacts:
     unit_float8: tuple[int, ...] | None = None
     root_float8: int = 0
 
-    @property
-    def gathers_float8(self) -> bool:
-        """Whether FSDP2 gathers some weight in float8 (its trace casts none: the gathered
-        weight is float8 already, `annot.float8.as_gathered_in_float8`)."""
-        return bool(sum(self.unit_float8 or ()) + self.root_float8)
+    def gathers_float8(self, engine: str) -> bool:
+        """Whether ``engine`` gathers some weight in float8: FSDP2 alone does (one byte a
+        weight; its trace casts none, the gathered weight is float8 already,
+        `annot.float8.as_gathered_in_float8`)."""
+        return engine == "fsdp2" and bool(sum(self.unit_float8 or ()) + self.root_float8)
 
     def unit_float8_count(self, index: int) -> int:
         """Unit ``index``'s weights gathered in float8 (0 outside the units)."""
@@ -260,7 +260,7 @@ def rank_memory(strategy: Strategy, trace: StepTrace, facts: ModelFacts, *, worl
     reshard = strategy.stage == 3
 
     # FSDP2's float8 all-gather moves and holds one byte per float8 weight.
-    float8_saving = b["compute"] - 1 if strategy.engine == "fsdp2" else 0
+    float8_saving = b["compute"] - 1 if facts.gathers_float8(strategy.engine) else 0
 
     def gathered_bytes(i: int) -> int:
         return (facts.stored(unit(i), facts.unit_quantized_count(i), b["compute"])

@@ -712,7 +712,7 @@ def _rows(model: nn.Module, plan: Plan, *, network: Network, batch: int, seq: in
         """The step ``s`` runs, traced once per setting that changes it: the compute
         dtypes, checkpointing, the sequence a rank holds, whether FSDP2 gathers float8."""
         dtype, autocast = _trace_setting(s, precision_of(s))
-        float8_gathered = s.engine == "fsdp2" and facts_of(s).gathers_float8
+        float8_gathered = facts_of(s).gathers_float8(s.engine)
         key = (dtype, autocast, checkpoint, seqs[s.key], float8_gathered)
         if key not in traces:
             # The target is a GPU: autocast casts by CUDA's op lists.
